@@ -1,0 +1,1 @@
+"""Foundation shared by the op families: hardware queries, implementation registry, timing."""

@@ -1,0 +1,167 @@
+"""The one place that asks the hardware and the installed toolchains.
+
+Everything here is lazy and memoized: importing this module imports only torch. Triton and
+FlyDSL are probed with ``importlib.util.find_spec`` (no import) until a caller really needs them.
+
+Functions answer for a *device* (a ``torch.device``, an index, a string or ``None`` for the
+current one) so that multi-GPU hosts with mixed devices give per-device answers.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+DeviceLike = Union[torch.device, str, int, None]
+
+__all__ = [
+    "DeviceInfo",
+    "device_info",
+    "has_gpu",
+    "is_hip",
+    "module_available",
+    "triton_available",
+    "triton_interpreter_enabled",
+    "flydsl_available",
+    "summary",
+]
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What the project needs to know about one device."""
+
+    type: str  # "cuda" (NVIDIA or ROCm through torch's cuda namespace) or "cpu"
+    index: Optional[int]
+    name: str
+    vendor: str  # "nvidia", "amd" or "cpu"
+    arch: str  # "sm_90", "gfx950", "gfx942", ... or "cpu"
+    multiprocessors: int  # SMs (NVIDIA) or CUs (AMD); 0 on the CPU
+    total_memory: int  # bytes; 0 on the CPU
+
+    @property
+    def is_amd(self) -> bool:
+        return self.vendor == "amd"
+
+    @property
+    def is_nvidia(self) -> bool:
+        return self.vendor == "nvidia"
+
+
+def is_hip() -> bool:
+    """True when torch is a ROCm build (``torch.cuda`` then drives HIP devices)."""
+    return getattr(torch.version, "hip", None) is not None
+
+
+def has_gpu() -> bool:
+    """True when torch sees at least one CUDA or ROCm device."""
+    try:
+        return torch.cuda.is_available() and torch.cuda.device_count() > 0
+    except Exception:  # a broken driver install must not break `import`
+        return False
+
+
+def _normalize(device: DeviceLike) -> torch.device:
+    if device is None:
+        if has_gpu():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device() if has_gpu() else 0)
+    return dev
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_device_info(index: int) -> DeviceInfo:
+    if not has_gpu() or index < 0 or index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device: no GPU with index {index} (torch sees {torch.cuda.device_count() if has_gpu() else 0})"
+        )
+    props = torch.cuda.get_device_properties(index)
+    if is_hip():
+        arch = str(getattr(props, "gcnArchName", "")).split(":")[0] or "gfx-unknown"
+        vendor = "amd"
+    else:
+        arch = f"sm_{props.major}{props.minor}"
+        vendor = "nvidia"
+    return DeviceInfo(
+        type="cuda",
+        index=index,
+        name=props.name,
+        vendor=vendor,
+        arch=arch,
+        multiprocessors=int(props.multi_processor_count),
+        total_memory=int(props.total_memory),
+    )
+
+
+_CPU = DeviceInfo(type="cpu", index=None, name="cpu", vendor="cpu", arch="cpu", multiprocessors=0, total_memory=0)
+
+
+def device_info(device: DeviceLike = None) -> DeviceInfo:
+    """Describe ``device`` (memoized per device index). Raises ValueError for a missing GPU index."""
+    dev = _normalize(device)
+    if dev.type == "cpu":
+        return _CPU
+    if dev.type != "cuda":
+        raise ValueError(f"device: unsupported device type {dev.type!r} (expected 'cuda' or 'cpu')")
+    return _cuda_device_info(dev.index)
+
+
+def module_available(name: str) -> bool:
+    """Whether ``name`` could be imported, without importing it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def triton_available() -> bool:
+    return module_available("triton")
+
+
+def triton_interpreter_enabled() -> bool:
+    """Triton's interpreter (``TRITON_INTERPRET=1``) runs kernels on CPU tensors."""
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def flydsl_available() -> bool:
+    return module_available("flydsl")
+
+
+def summary() -> dict:
+    """A dict for ``flydsl-backends info`` and benchmark rows."""
+    out = {
+        "torch": torch.__version__,
+        "torch_build": "rocm " + torch.version.hip if is_hip() else ("cuda " + str(torch.version.cuda) if torch.version.cuda else "cpu"),
+        "triton": _version_of("triton"),
+        "flydsl": _version_of("flydsl"),
+        "triton_interpreter": triton_interpreter_enabled(),
+        "devices": [],
+    }
+    if has_gpu():
+        for i in range(torch.cuda.device_count()):
+            d = device_info(i)
+            out["devices"].append(f"cuda:{i} {d.name} ({d.arch}, {d.multiprocessors} SMs/CUs, {d.total_memory / 2**30:.0f} GiB)")
+    else:
+        out["devices"].append("cpu only (no CUDA/ROCm device visible to torch)")
+    return out
+
+
+def _version_of(dist: str) -> Optional[str]:
+    if not module_available(dist):
+        return None
+    try:
+        from importlib.metadata import version
+
+        return version(dist)
+    except Exception:
+        return "unknown"

@@ -1,0 +1,157 @@
+"""Choosing an implementation of an op: the one mechanism every op family uses.
+
+Each op family (``kda``, ``pa``, ...) owns one :class:`OpRegistry`. An :class:`Implementation`
+declares
+
+* ``available() -> (ok, reason)``: can it run on this machine at all (toolchain installed,
+  hardware present)? Memoized: the answer does not change within a process.
+* ``supports(call) -> (ok, reason)``: can it serve this particular call (shapes, dtypes, device)?
+* ``run(call)``: do it.
+
+``select(call, backend="auto")``:
+
+* ``backend="auto"`` walks the family's preference order for the call's device (fastest first)
+  and takes the first implementation that is available and supports the call. The environment
+  variable of the family (e.g. ``FLYDSL_BACKENDS_KDA=triton``) replaces ``"auto"`` with a name.
+  The choice and the reasons the faster ones were passed over are logged once per call site.
+* an explicit name that is unavailable or does not support the call raises ``ValueError``
+  carrying the reason. There is no silent fallback from an explicit choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+logger = logging.getLogger("flydsl_backends")
+
+Verdict = Tuple[bool, str]
+
+__all__ = ["Implementation", "OpRegistry", "Verdict", "BACKEND_NAMES"]
+
+BACKEND_NAMES = ("torch", "triton", "flydsl")
+
+
+@dataclass
+class Implementation:
+    name: str
+    available: Callable[[], Verdict]
+    supports: Callable[[Any], Verdict]
+    run: Callable[[Any], Any]
+    description: str = ""
+    _available_cache: Optional[Verdict] = field(default=None, repr=False)
+
+    def is_available(self) -> Verdict:
+        if self._available_cache is None:
+            try:
+                self._available_cache = tuple(self.available())  # type: ignore[assignment]
+            except Exception as exc:  # a probe that blows up means "not available", with the reason
+                self._available_cache = (False, f"availability probe failed: {type(exc).__name__}: {exc}")
+        return self._available_cache  # type: ignore[return-value]
+
+    def can_serve(self, call: Any) -> Verdict:
+        ok, why = self.is_available()
+        if not ok:
+            return False, f"not available: {why}"
+        return self.supports(call)
+
+
+class OpRegistry:
+    """The implementations of one op family and the rule that picks one."""
+
+    def __init__(self, family: str, env_var: str, preference: Dict[str, Sequence[str]]):
+        """``preference`` maps a device type ("cuda", "cpu") to implementation names, fastest first."""
+        self.family = family
+        self.env_var = env_var
+        self.preference = {k: tuple(v) for k, v in preference.items()}
+        self._impls: Dict[str, Implementation] = {}
+        self._logged: set = set()
+        self._lock = threading.Lock()
+
+    # -- registration -------------------------------------------------------------------------
+    def register(self, impl: Implementation) -> Implementation:
+        if impl.name in self._impls:
+            raise ValueError(f"{self.family}: implementation {impl.name!r} registered twice")
+        self._impls[impl.name] = impl
+        return impl
+
+    def names(self) -> List[str]:
+        return list(self._impls)
+
+    def get(self, name: str) -> Implementation:
+        if name not in self._impls:
+            raise ValueError(
+                f"backend: {name!r} is not an implementation of {self.family} (expected 'auto' or one of {sorted(self._impls)})"
+            )
+        return self._impls[name]
+
+    def status(self) -> List[Tuple[str, bool, str]]:
+        """(name, available, reason) for every implementation, for ``flydsl-backends info``."""
+        return [(n, *impl.is_available()) for n, impl in self._impls.items()]
+
+    def reset_cache(self) -> None:
+        """Forget memoized availability (tests that fake the platform use this)."""
+        for impl in self._impls.values():
+            impl._available_cache = None
+        self._logged.clear()
+
+    # -- selection ----------------------------------------------------------------------------
+    def requested_backend(self, backend: str) -> str:
+        if not isinstance(backend, str):
+            raise TypeError(f"backend: expected a str ('auto' or one of {sorted(self._impls)}), got {type(backend).__name__}")
+        if backend == "auto":
+            forced = os.environ.get(self.env_var, "").strip()
+            if forced and forced != "auto":
+                if forced not in self._impls:
+                    raise ValueError(
+                        f"{self.env_var}={forced!r}: expected 'auto' or one of {sorted(self._impls)}"
+                    )
+                return forced
+        return backend
+
+    def select(self, call: Any, backend: str = "auto", device_type: str = "cpu") -> Implementation:
+        name = self.requested_backend(backend)
+        if name != "auto":
+            impl = self.get(name)
+            ok, why = impl.can_serve(call)
+            if not ok:
+                src = f" (forced by {self.env_var})" if backend == "auto" else ""
+                raise ValueError(f"backend={name!r}{src} cannot serve this {self.family} call: {why}")
+            return impl
+
+        order = self.preference.get(device_type, self.preference.get("cpu", ()))
+        skipped = []
+        for cand in order:
+            impl = self._impls.get(cand)
+            if impl is None:
+                continue
+            ok, why = impl.can_serve(call)
+            if ok:
+                self._log_choice(impl.name, skipped)
+                return impl
+            skipped.append(f"{cand}: {why}")
+        raise ValueError(
+            f"backend='auto': no implementation of {self.family} can serve this call on {device_type}: "
+            + "; ".join(skipped)
+        )
+
+    def _log_choice(self, name: str, skipped: List[str]) -> None:
+        # "once per call site": the caller of the public op, two frames above select().
+        try:
+            frame = sys._getframe(3)
+            site = (frame.f_code.co_filename, frame.f_lineno)
+        except ValueError:
+            site = ("?", 0)
+        key = (name, site, tuple(skipped))
+        if key in self._logged:
+            return
+        with self._lock:
+            if key in self._logged:
+                return
+            self._logged.add(key)
+        why = f" (passed over: {'; '.join(skipped)})" if skipped else ""
+        logger.info("%s: backend='auto' chose %r at %s:%d%s", self.family, name, site[0], site[1], why)

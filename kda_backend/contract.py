@@ -1,0 +1,304 @@
+"""The KDA decode contract: argument validation and the normalized problem every implementation
+receives. DESIGN §3 is the specification; each check below names the argument it rejects.
+
+Validation never reads tensor data on the device (no host sync) except the opt-in debug slot
+check (``KDA_DECODE_SLOT_CHECK=1``), which is skipped while a CUDA graph is being captured.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from backend_core.validation import (
+    INT32_MAX,
+    require_dtype,
+    require_float,
+    require_non_overlapping,
+    require_same_device,
+    require_shape,
+    require_tensor,
+    require_unit_stride,
+    span_elements,
+)
+
+__all__ = ["KDAProblem", "prepare", "SLOT_CHECK", "SLOT_CHECK_PADDING_SLOT", "STATE_DTYPES"]
+
+ACT_DTYPES = (torch.bfloat16,)
+STATE_DTYPES = (torch.float32, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _env_int(name: str, default: Optional[int]) -> Optional[int]:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        return int(raw.strip())
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: expected an integer") from None
+
+
+# Read once at import: a malformed value fails loudly here, not inside a decode step.
+SLOT_CHECK: bool = bool(_env_int("KDA_DECODE_SLOT_CHECK", 0))
+SLOT_CHECK_PADDING_SLOT: Optional[int] = _env_int("KDA_DECODE_SLOT_CHECK_PADDING_SLOT", None)
+
+
+@dataclass
+class KDAProblem:
+    """A validated KDA decode call. Tensors are the caller's (views, no copies)."""
+
+    B: int
+    H: int
+    K: int
+    V: int
+    W: int  # conv width; 0 when the conv stage is off
+    x: torch.Tensor  # [B, 3HK]
+    conv_weight: Optional[torch.Tensor]  # [3HK, W]
+    conv_bias: Optional[torch.Tensor]  # [3HK]
+    conv_state: Optional[torch.Tensor]  # [slots, 3HK, W-1] (any strides)
+    a: Optional[torch.Tensor]  # [B, HK]    (None in the f_b variant)
+    f_a: Optional[torch.Tensor]  # [B, R]      (f_b variant)
+    f_b_weight: Optional[torch.Tensor]  # [H, K, R] (f_b variant)
+    b: torch.Tensor  # [B, H] view
+    A_log: torch.Tensor  # [H]
+    dt_bias: torch.Tensor  # [HK]
+    state: torch.Tensor  # [slots, H, V, K]
+    state_indices: torch.Tensor  # [B]
+    output_gate: Optional[torch.Tensor]  # [B, H, V]
+    norm_weight: Optional[torch.Tensor]  # [V]
+    lower_bound: Optional[float]
+    norm_eps: float
+    scale: float
+    out: torch.Tensor  # [B, H, V]
+    num_slots: int  # rows with index outside [0, num_slots) are padding
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def has_conv(self) -> bool:
+        return self.conv_weight is not None
+
+    @property
+    def has_norm(self) -> bool:
+        return self.norm_weight is not None
+
+    @property
+    def has_f_b(self) -> bool:
+        return self.f_b_weight is not None
+
+    @property
+    def R(self) -> int:
+        return 0 if self.f_a is None else int(self.f_a.shape[1])
+
+
+def prepare(
+    *,
+    x,
+    conv_weight,
+    conv_state,
+    a,
+    b,
+    A_log,
+    dt_bias,
+    state,
+    state_indices,
+    output_gate,
+    norm_weight,
+    conv_bias=None,
+    lower_bound=None,
+    norm_eps=1e-5,
+    scale=None,
+    out=None,
+    f_a=None,
+    f_b_weight=None,
+    with_f_b: bool = False,
+) -> KDAProblem:
+    """Validate a ``kda_decode`` / ``kda_decode_with_f_b`` call and normalize it. Nothing is written."""
+    # --- x and the recurrent state fix B, H, K, V -------------------------------------------------
+    x = require_tensor(x, "x")
+    device = x.device
+    require_dtype(x, "x", ACT_DTYPES)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected shape [B, 3*H*K], got {list(x.shape)}")
+    require_unit_stride(x, "x")
+    B = int(x.shape[0])
+
+    state = require_tensor(state, "state")
+    require_same_device(state, "state", device)
+    require_dtype(state, "state", STATE_DTYPES)
+    if state.dim() != 4:
+        raise ValueError(f"state: expected shape [slots, H, V, K], got {list(state.shape)}")
+    slots, H, V, K = (int(s) for s in state.shape)
+    if slots < 1 or H < 1 or K < 1:
+        raise ValueError(f"state: expected a non-empty [slots, H, V, K], got {list(state.shape)}")
+    if V != K:
+        raise ValueError(f"state: expected V == K (one head dim for keys and values), got V={V}, K={K}")
+    if state.stride(3) != 1 or state.stride(2) != K or state.stride(1) != V * K:
+        raise ValueError(
+            f"state: expected each slot contiguous (strides [*, {V * K}, {K}, 1]), got strides {tuple(state.stride())}"
+        )
+    if slots > 1 and state.stride(0) < H * V * K:
+        raise ValueError(
+            f"state: slots overlap (slot stride {state.stride(0)} < slot size {H * V * K} elements)"
+        )
+    HK = H * K
+    C = 3 * HK
+    require_shape(x, "x", (B, C), "[B, 3*H*K]")
+
+    state_indices = require_tensor(state_indices, "state_indices")
+    require_same_device(state_indices, "state_indices", device)
+    require_dtype(state_indices, "state_indices", INDEX_DTYPES)
+    require_shape(state_indices, "state_indices", (B,), "[B]")
+
+    # --- conv stage ------------------------------------------------------------------------------
+    num_slots = slots
+    W = 0
+    if conv_weight is not None:
+        conv_weight = require_tensor(conv_weight, "conv_weight")
+        require_same_device(conv_weight, "conv_weight", device)
+        require_dtype(conv_weight, "conv_weight", (torch.float32,))
+        if conv_weight.dim() != 2 or int(conv_weight.shape[0]) != C:
+            raise ValueError(f"conv_weight: expected shape [3*H*K, W] = [{C}, W], got {list(conv_weight.shape)}")
+        W = int(conv_weight.shape[1])
+        if W < 2:
+            raise ValueError(f"conv_weight: expected conv width W >= 2, got W={W}")
+        if conv_weight.stride(0) != 1 and conv_weight.stride(1) != 1:
+            raise ValueError(
+                f"conv_weight: expected one unit-stride axis (channel-major or width-major), got strides {tuple(conv_weight.stride())}"
+            )
+        conv_state = require_tensor(conv_state, "conv_state")
+        require_same_device(conv_state, "conv_state", device)
+        require_dtype(conv_state, "conv_state", ACT_DTYPES)
+        if conv_state.dim() != 3 or int(conv_state.shape[1]) != C or int(conv_state.shape[2]) != W - 1:
+            raise ValueError(
+                f"conv_state: expected shape [slots, 3*H*K, W-1] = [slots, {C}, {W - 1}], got {list(conv_state.shape)}"
+            )
+        if int(conv_state.shape[0]) < 1:
+            raise ValueError("conv_state: expected at least one slot, got 0")
+        require_non_overlapping(conv_state, "conv_state")
+        if span_elements(conv_state[0]) > INT32_MAX:
+            raise ValueError(f"conv_state: one slot spans {span_elements(conv_state[0])} elements, past the int32 index space")
+        num_slots = min(slots, int(conv_state.shape[0]))
+        if conv_bias is not None:
+            conv_bias = require_tensor(conv_bias, "conv_bias")
+            require_same_device(conv_bias, "conv_bias", device)
+            require_dtype(conv_bias, "conv_bias", (torch.float32,))
+            require_shape(conv_bias, "conv_bias", (C,), "[3*H*K]")
+            require_unit_stride(conv_bias, "conv_bias")
+    else:
+        if conv_bias is not None:
+            raise ValueError("conv_bias: given without conv_weight (the conv stage is off when conv_weight is None)")
+        conv_state = None  # not touched when the conv stage is off
+
+    # --- gate inputs -----------------------------------------------------------------------------
+    if with_f_b:
+        f_a = require_tensor(f_a, "f_a")
+        require_same_device(f_a, "f_a", device)
+        require_dtype(f_a, "f_a", ACT_DTYPES)
+        if f_a.dim() != 2 or int(f_a.shape[0]) != B or int(f_a.shape[1]) < 1:
+            raise ValueError(f"f_a: expected shape [B, R] with B={B}, got {list(f_a.shape)}")
+        require_unit_stride(f_a, "f_a")
+        R = int(f_a.shape[1])
+        f_b_weight = require_tensor(f_b_weight, "f_b_weight")
+        require_same_device(f_b_weight, "f_b_weight", device)
+        require_dtype(f_b_weight, "f_b_weight", ACT_DTYPES)
+        require_shape(f_b_weight, "f_b_weight", (H, K, R), "[H, K, R]")
+        require_unit_stride(f_b_weight, "f_b_weight")
+        require_non_overlapping(f_b_weight, "f_b_weight")
+        a = None
+    else:
+        a = require_tensor(a, "a")
+        require_same_device(a, "a", device)
+        require_dtype(a, "a", ACT_DTYPES)
+        require_shape(a, "a", (B, HK), "[B, H*K]")
+        require_unit_stride(a, "a")
+
+    b = require_tensor(b, "b")
+    require_same_device(b, "b", device)
+    require_dtype(b, "b", ACT_DTYPES)
+    if b.dim() == 3 and int(b.shape[0]) == 1:
+        b = b[0]
+    require_shape(b, "b", (B, H), "[B, H] or [1, B, H]")
+
+    A_log = require_tensor(A_log, "A_log")
+    require_same_device(A_log, "A_log", device)
+    require_dtype(A_log, "A_log", (torch.float32,))
+    require_shape(A_log, "A_log", (H,), "[H]")
+    require_unit_stride(A_log, "A_log")
+
+    dt_bias = require_tensor(dt_bias, "dt_bias")
+    require_same_device(dt_bias, "dt_bias", device)
+    require_dtype(dt_bias, "dt_bias", (torch.float32,))
+    require_shape(dt_bias, "dt_bias", (HK,), "[H*K]")
+    require_unit_stride(dt_bias, "dt_bias")
+
+    # --- norm stage ------------------------------------------------------------------------------
+    if (output_gate is None) != (norm_weight is None):
+        missing = "norm_weight" if norm_weight is None else "output_gate"
+        raise ValueError(f"{missing}: output_gate and norm_weight go together (both for the gated norm, neither for raw o)")
+    if output_gate is not None:
+        output_gate = require_tensor(output_gate, "output_gate")
+        require_same_device(output_gate, "output_gate", device)
+        require_dtype(output_gate, "output_gate", ACT_DTYPES)
+        require_shape(output_gate, "output_gate", (B, H, V), "[B, H, V]")
+        require_unit_stride(output_gate, "output_gate")
+        norm_weight = require_tensor(norm_weight, "norm_weight")
+        require_same_device(norm_weight, "norm_weight", device)
+        require_dtype(norm_weight, "norm_weight", (torch.bfloat16, torch.float32))
+        require_shape(norm_weight, "norm_weight", (V,), "[V]")
+        require_unit_stride(norm_weight, "norm_weight")
+
+    # --- scalars ---------------------------------------------------------------------------------
+    lower_bound = require_float(lower_bound, "lower_bound", optional=True)
+    norm_eps = require_float(norm_eps, "norm_eps", positive=True)
+    scale = require_float(scale, "scale", optional=True)
+    if scale is None:
+        scale = K ** -0.5
+
+    # --- out -------------------------------------------------------------------------------------
+    if out is None:
+        out = torch.empty((B, H, V), dtype=x.dtype, device=device)
+    else:
+        out = require_tensor(out, "out")
+        require_same_device(out, "out", device)
+        require_dtype(out, "out", (x.dtype,))
+        require_shape(out, "out", (B, H, V), "[B, H, V]")
+        require_unit_stride(out, "out")
+        require_non_overlapping(out, "out")
+
+    if span_elements(state[0]) > INT32_MAX:
+        raise ValueError(f"state: one slot spans {span_elements(state[0])} elements, past the int32 index space")
+
+    problem = KDAProblem(
+        B=B, H=H, K=K, V=V, W=W, x=x, conv_weight=conv_weight, conv_bias=conv_bias, conv_state=conv_state,
+        a=a, f_a=f_a if with_f_b else None, f_b_weight=f_b_weight if with_f_b else None, b=b,
+        A_log=A_log, dt_bias=dt_bias, state=state, state_indices=state_indices,
+        output_gate=output_gate, norm_weight=norm_weight, lower_bound=lower_bound,
+        norm_eps=norm_eps, scale=scale, out=out, num_slots=num_slots,
+    )
+    if SLOT_CHECK:
+        check_unique_slots(problem, SLOT_CHECK_PADDING_SLOT)
+    return problem
+
+
+def check_unique_slots(p: KDAProblem, padding_slot: Optional[int]) -> None:
+    """Debug check (host sync): live rows must use distinct slots, except ``padding_slot``."""
+    if p.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
+    idx = p.state_indices.detach().to("cpu", torch.int64)
+    live = idx[(idx >= 0) & (idx < p.num_slots)]
+    if padding_slot is not None:
+        live = live[live != padding_slot]
+    uniq, counts = torch.unique(live, return_counts=True)
+    dup = uniq[counts > 1]
+    if dup.numel():
+        raise ValueError(
+            f"state_indices: live rows share slots {dup.tolist()[:8]} (KDA_DECODE_SLOT_CHECK=1; "
+            "set KDA_DECODE_SLOT_CHECK_PADDING_SLOT=<n> if one scratch slot may repeat)"
+        )

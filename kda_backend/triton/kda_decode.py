@@ -1,0 +1,165 @@
+# Fused KDA decode step, Triton (NVIDIA and AMD).
+#
+# Design
+# ------
+# Grid: (B, H). One program owns one (row n, head h) pair: the K q-channels, K k-channels and V
+# v-channels of head h, and the whole [V, K] recurrent-state tile of (slot, h). Because a program
+# owns all channels it reads, the conv window shift needs no cross-program ordering, and the gated
+# RMSNorm over V needs no cross-program reduction.
+#
+# Per program, in registers (num_warps warps; a [128, 128] FP32 tile is 64 registers per thread at
+# 8 warps):
+#   * the state tile S [V, K] (FP32 or BF16 in memory, FP32 in registers; K innermost so the load
+#     and store are 16-byte vectors along K), issued first so its latency hides the conv and gate
+#     math;
+#   * the conv window [W-1] x {q, k, v channels} (BF16 in memory), conv weights (FP32), the
+#     post-SiLU q, k [K] and v [V];
+#   * the forget gate [K]: from `a` (BF16) or, in the f_b variant, the FP32 dot
+#     f_a[n] . f_b_weight[h]^T over a [K, R] BF16 tile (the projected gate never touches HBM).
+# No shared memory is used explicitly (Triton uses a little for the K reductions).
+#
+# Caches: rows whose slot is negative or >= num_slots are padding. Their cache loads and stores
+# are masked off and their output row is written with zeros. Before the first cache store the
+# program passes a CTA barrier so that no thread can overwrite a cache element another thread of
+# the same program has not read yet (Triton may replicate small vectors across threads).
+#
+# Offsets: row and slot offsets are int64 (caches > 4 GiB); offsets within one slot are int32
+# (the wrapper checks that a slot spans < 2**31 elements). All runtime scalars (norm_eps,
+# lower_bound, scale) are plain arguments, so they never multiply compiled specializations.
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _conv_channels(
+    p_x_row, p_cw, p_cb, p_cs_slot, o_c, live,
+    stride_cw_c, stride_cw_w, stride_cs_c, stride_cs_w,
+    W: tl.constexpr, HAS_BIAS: tl.constexpr,
+):
+    """Causal depthwise conv + SiLU of channels o_c (2 <= W <= 4).
+
+    Returns (y fp32, x, s1, s2): s1, s2 are the window entries that move down one place when the
+    window shifts (kept in registers so the shift needs no second read of the cache).
+    """
+    b_x = tl.load(p_x_row + o_c)
+    p_w = p_cw + o_c * stride_cw_c
+    p_s = p_cs_slot + o_c * stride_cs_c
+    acc = b_x.to(tl.float32) * tl.load(p_w + (W - 1) * stride_cw_w)
+    if HAS_BIAS:
+        acc += tl.load(p_cb + o_c)
+    b_s0 = tl.load(p_s, mask=live, other=0.0)
+    acc += b_s0.to(tl.float32) * tl.load(p_w)
+    b_s1 = b_s0
+    b_s2 = b_s0
+    if W > 2:
+        b_s1 = tl.load(p_s + stride_cs_w, mask=live, other=0.0)
+        acc += b_s1.to(tl.float32) * tl.load(p_w + stride_cw_w)
+    if W > 3:
+        b_s2 = tl.load(p_s + 2 * stride_cs_w, mask=live, other=0.0)
+        acc += b_s2.to(tl.float32) * tl.load(p_w + 2 * stride_cw_w)
+    y = acc * tl.sigmoid(acc)
+    return y, b_x, b_s1, b_s2
+
+
+@triton.jit
+def _conv_shift(p_cs_slot, o_c, b_x, b_s1, b_s2, live, stride_cs_c, stride_cs_w, W: tl.constexpr):
+    """Write the shifted window (oldest dropped, x appended last) of channels o_c."""
+    p_s = p_cs_slot + o_c * stride_cs_c
+    if W == 2:
+        tl.store(p_s, b_x, mask=live)
+    if W == 3:
+        tl.store(p_s, b_s1, mask=live)
+        tl.store(p_s + stride_cs_w, b_x, mask=live)
+    if W == 4:
+        tl.store(p_s, b_s1, mask=live)
+        tl.store(p_s + stride_cs_w, b_s2, mask=live)
+        tl.store(p_s + 2 * stride_cs_w, b_x, mask=live)
+
+
+@triton.jit
+def kda_decode_kernel(
+    p_x, p_cw, p_cb, p_cs, p_a, p_fa, p_fbw, p_b, p_A_log, p_dt_bias, p_state, p_idx, p_gate, p_nw, p_out,
+    num_slots, scale, lower_bound, norm_eps,
+    stride_x_n, stride_cw_c, stride_cw_w,
+    stride_cs_slot, stride_cs_c, stride_cs_w,
+    stride_a_n, stride_fa_n, stride_fbw_h, stride_fbw_k,
+    stride_b_n, stride_b_h, stride_s_slot, stride_idx,
+    stride_g_n, stride_g_h, stride_o_n, stride_o_h,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, R: tl.constexpr, BR: tl.constexpr,
+    HAS_CONV: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_FB: tl.constexpr, HAS_NORM: tl.constexpr,
+    USE_LOWER_BOUND: tl.constexpr,
+):
+    i_n = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    o_k = tl.arange(0, K)
+    o_v = tl.arange(0, V)
+
+    s = tl.load(p_idx + i_n * stride_idx).to(tl.int64)
+    live = (s >= 0) & (s < num_slots)
+    s = tl.where(live, s, 0)
+
+    # Recurrent state tile first: the longest-latency load.
+    p_S = p_state + s * stride_s_slot + i_h * (V * K) + o_v[:, None] * K + o_k[None, :]
+    b_S = tl.load(p_S, mask=live, other=0.0).to(tl.float32)
+
+    # q | k | v channels of head h (post-conv, post-SiLU), FP32.
+    p_x_row = p_x + i_n * stride_x_n
+    o_q = i_h * K + o_k
+    o_kc = H * K + i_h * K + o_k
+    o_vc = 2 * H * K + i_h * V + o_v
+    if HAS_CONV:
+        p_cs_slot = p_cs + s * stride_cs_slot
+        b_q, x_q, q_s1, q_s2 = _conv_channels(p_x_row, p_cw, p_cb, p_cs_slot, o_q, live, stride_cw_c, stride_cw_w,
+                                  stride_cs_c, stride_cs_w, W, HAS_BIAS)
+        b_k, x_k, k_s1, k_s2 = _conv_channels(p_x_row, p_cw, p_cb, p_cs_slot, o_kc, live, stride_cw_c, stride_cw_w,
+                                  stride_cs_c, stride_cs_w, W, HAS_BIAS)
+        b_v, x_v, v_s1, v_s2 = _conv_channels(p_x_row, p_cw, p_cb, p_cs_slot, o_vc, live, stride_cw_c, stride_cw_w,
+                                  stride_cs_c, stride_cs_w, W, HAS_BIAS)
+    else:
+        b_q = tl.load(p_x_row + o_q).to(tl.float32)
+        b_k = tl.load(p_x_row + o_kc).to(tl.float32)
+        b_v = tl.load(p_x_row + o_vc).to(tl.float32)
+
+    b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6) * scale
+    b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
+
+    # Forget gate (log decay per K channel), FP32.
+    if HAS_FB:
+        o_r = tl.arange(0, BR)
+        m_r = o_r < R
+        b_fa = tl.load(p_fa + i_n * stride_fa_n + o_r, mask=m_r, other=0.0).to(tl.float32)
+        p_fbw_t = p_fbw + i_h * stride_fbw_h + o_k[:, None] * stride_fbw_k + o_r[None, :]
+        b_fbw = tl.load(p_fbw_t, mask=m_r[None, :], other=0.0).to(tl.float32)
+        b_a = tl.sum(b_fbw * b_fa[None, :], 1)
+    else:
+        b_a = tl.load(p_a + i_n * stride_a_n + i_h * K + o_k).to(tl.float32)
+    b_z = b_a + tl.load(p_dt_bias + i_h * K + o_k)
+    b_A = tl.exp(tl.load(p_A_log + i_h))
+    if USE_LOWER_BOUND:
+        b_g = lower_bound * tl.sigmoid(b_A * b_z)
+    else:
+        b_g = -b_A * tl.where(b_z > 20.0, b_z, tl.log(1.0 + tl.exp(b_z)))
+    b_beta = tl.sigmoid(tl.load(p_b + i_n * stride_b_n + i_h * stride_b_h).to(tl.float32))
+
+    # Delta rule, FP32.
+    b_S = b_S * tl.exp(b_g)[None, :]
+    b_vnew = b_beta * (b_v - tl.sum(b_S * b_k[None, :], 1))
+    b_S = b_S + b_vnew[:, None] * b_k[None, :]
+    b_o = tl.sum(b_S * b_q[None, :], 1)
+
+    if HAS_NORM:
+        b_rstd = tl.rsqrt(tl.sum(b_o * b_o, 0) / V + norm_eps)
+        b_gate = tl.load(p_gate + i_n * stride_g_n + i_h * stride_g_h + o_v).to(tl.float32)
+        b_w = tl.load(p_nw + o_v).to(tl.float32)
+        b_o = b_o * b_rstd * b_w * tl.sigmoid(b_gate)
+    b_o = tl.where(live, b_o, 0.0)
+
+    # Every thread has read its cache elements before any thread of this program overwrites one.
+    tl.debug_barrier()
+    tl.store(p_S, b_S.to(p_state.dtype.element_ty), mask=live)
+    if HAS_CONV:
+        _conv_shift(p_cs_slot, o_q, x_q, q_s1, q_s2, live, stride_cs_c, stride_cs_w, W)
+        _conv_shift(p_cs_slot, o_kc, x_k, k_s1, k_s2, live, stride_cs_c, stride_cs_w, W)
+        _conv_shift(p_cs_slot, o_vc, x_v, v_s1, v_s2, live, stride_cs_c, stride_cs_w, W)
+    tl.store(p_out + i_n * stride_o_n + i_h * stride_o_h + o_v, b_o.to(p_out.dtype.element_ty))
