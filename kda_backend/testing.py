@@ -28,6 +28,14 @@ class KDACase:
     # storage behind the caches (page buffers), to check that nothing outside the views changes
     storage: Dict[str, torch.Tensor] = field(default_factory=dict)
 
+    def problem(self):
+        """The validated problem of this call (allocates nothing but ``out`` when it is None)."""
+        from .contract import prepare
+
+        kw = dict(self.kwargs)
+        kw.setdefault("a", None)
+        return prepare(**kw, with_f_b=self.with_f_b)
+
     def call(self, backend: str = "auto", **overrides):
         from . import kda_decode, kda_decode_with_f_b
 

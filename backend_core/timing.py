@@ -1,0 +1,123 @@
+"""Benchmark harness: CUDA-graph replay timing, the copy-bandwidth probe, CSV result rows.
+
+Timing method (used by every ``flydsl-backends bench`` row):
+
+* the callable is run eagerly a few times (compilation, autotuning), then ``inner`` calls are
+  captured in one CUDA graph; the caller's callable receives the call number so it can rotate
+  over several input sets (so caches do not hold the working set between calls);
+* each trial replays the graph between two CUDA events; the per-call time is the trial time
+  divided by ``inner``; the reported figure is the median over ``trials`` (>= 30).
+
+The copy-bandwidth probe times a large device-to-device copy the same way and counts bytes read
+plus bytes written, so "% of copy" compares like with like.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import os
+import statistics
+import subprocess
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional
+
+import torch
+
+__all__ = ["Timing", "time_cuda_graph", "copy_bandwidth_gbps", "git_commit", "write_rows", "RESULT_FIELDS"]
+
+
+@dataclass
+class Timing:
+    median_us: float
+    p10_us: float
+    p90_us: float
+    trials: int
+    inner: int
+
+
+def time_cuda_graph(fn: Callable[[int], object], *, inner: int = 20, trials: int = 50, warmup: int = 3,
+                    device: Optional[torch.device] = None) -> Timing:
+    """Median per-call time of ``fn(i)`` (i = 0..inner-1) captured ``inner`` times in one graph."""
+    if trials < 1 or inner < 1:
+        raise ValueError(f"trials and inner must be >= 1, got trials={trials}, inner={inner}")
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    stream = torch.cuda.Stream(device=device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for w in range(warmup):
+            for i in range(inner):
+                fn(i)
+    torch.cuda.current_stream(device).wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for i in range(inner):
+            fn(i)
+    graph.replay()
+    torch.cuda.synchronize(device)
+    times: List[float] = []
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    for _ in range(trials):
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / inner)
+    times.sort()
+    q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
+    return Timing(statistics.median(times), q(0.1), q(0.9), trials, inner)
+
+
+def copy_bandwidth_gbps(nbytes: int = 1 << 30, trials: int = 30, device: Optional[torch.device] = None) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written), median of trials."""
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    t = time_cuda_graph(lambda i: dst.copy_(src), inner=4, trials=trials, warmup=2, device=device)
+    gbps = 2 * src.numel() * 4 / (t.median_us * 1e-6) / 1e9
+    del src, dst
+    torch.cuda.empty_cache()
+    return gbps
+
+
+def git_commit() -> str:
+    """The commit being measured: FLYDSL_BACKENDS_COMMIT (set when the tree travels without .git), else git."""
+    env = os.environ.get("FLYDSL_BACKENDS_COMMIT")
+    if env:
+        return env
+    try:
+        root = Path(__file__).resolve().parent.parent
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
+                             text=True, timeout=10)
+        if out.returncode == 0:
+            dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                                   capture_output=True, text=True, timeout=10).stdout.strip()
+            return out.stdout.strip() + ("-dirty" if dirty else "")
+    except Exception:
+        pass
+    return "unknown"
+
+
+RESULT_FIELDS = ["date", "commit", "device", "op", "impl", "shape", "us", "p10_us", "p90_us", "bytes", "gbps",
+                 "pct_copy", "copy_gbps", "trials", "notes"]
+
+
+def today() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+
+
+def write_rows(path: Path, rows: Iterable[Dict[str, object]]) -> Path:
+    """Append rows (dicts keyed by RESULT_FIELDS) to a CSV file, writing the header when new."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    new = not path.exists() or path.stat().st_size == 0
+    with path.open("a", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=RESULT_FIELDS, extrasaction="ignore")
+        if new:
+            w.writeheader()
+        for r in rows:
+            w.writerow(r)
+    return path

@@ -1,0 +1,166 @@
+"""``flydsl-backends``: info, verify, bench.
+
+* ``info``    the platform, and for each op which implementations are available here and why not.
+* ``verify``  every available implementation of every op against the reference over a shape
+              grid; a pass/fail table; exit status 1 on any failure. On a machine without a GPU it
+              runs the reference and the Triton kernels through Triton's interpreter on small
+              shapes, and says so.
+* ``bench``   CUDA-graph timings with the copy bandwidth measured in the same run; CSV rows
+              under ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+OPS = ("kda",)
+
+
+def _prepare_cpu_interpreter() -> Optional[str]:
+    """On a machine without a GPU, route Triton through its interpreter (before Triton is imported)."""
+    from backend_core import platform
+
+    if platform.has_gpu():
+        return None
+    if not platform.triton_available():
+        return "no GPU and Triton is not installed: only the torch reference runs"
+    if "triton" in sys.modules and not platform.triton_interpreter_enabled():
+        return "Triton was imported before TRITON_INTERPRET=1 could be set: Triton rows skipped"
+    os.environ["TRITON_INTERPRET"] = "1"
+    return "no GPU: Triton kernels run through TRITON_INTERPRET=1 on CPU tensors, small shapes"
+
+
+def _registry(op: str):
+    if op == "kda":
+        from kda_backend import REGISTRY
+
+        return REGISTRY
+    raise ValueError(f"op: expected one of {OPS}, got {op!r}")
+
+
+def cmd_info(args) -> int:
+    note = _prepare_cpu_interpreter()
+    from backend_core import platform
+
+    s = platform.summary()
+    print("flydsl-backends info")
+    print(f"  torch   {s['torch']} ({s['torch_build']})")
+    print(f"  triton  {s['triton'] or 'not installed'}" + ("  [interpreter]" if platform.triton_interpreter_enabled() else ""))
+    print(f"  flydsl  {s['flydsl'] or 'not installed'}")
+    for d in s["devices"]:
+        print(f"  device  {d}")
+    if note:
+        print(f"  note    {note}")
+    for op in OPS:
+        reg = _registry(op)
+        print(f"\n{op}: implementations (auto prefers, on GPU: {' > '.join(reg.preference['cuda'])}; "
+              f"on CPU: {' > '.join(reg.preference['cpu'])}; force with {reg.env_var}=<name>)")
+        for name, ok, why in reg.status():
+            print(f"  {name:<7} {'available' if ok else 'unavailable':<12} {why}")
+    return 0
+
+
+def cmd_verify(args) -> int:
+    note = _prepare_cpu_interpreter()
+    import torch
+
+    from backend_core import platform
+
+    gpu = platform.has_gpu()
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    small = args.small or not gpu
+    print(f"flydsl-backends verify on {platform.device_info(device).name} "
+          f"({'small CPU shapes' if small and not gpu else 'small shapes' if small else 'decode shapes'})")
+    if note:
+        print(f"note: {note}")
+    failures = 0
+    total = 0
+    for op in OPS if args.op == "all" else (args.op,):
+        reg = _registry(op)
+        impls = [n for n, ok, _ in reg.status() if ok and (not args.backend or n in args.backend)]
+        skipped = [(n, why) for n, ok, why in reg.status() if not ok]
+        for n, why in skipped:
+            print(f"  {op}/{n}: not run ({why})")
+        if op == "kda":
+            from kda_backend.verify import run_verify
+
+            t0 = time.time()
+            rows = run_verify(impls, device, small, progress=lambda r: None)
+            print(f"\n{'op':<5} {'impl':<7} {'result':<6} {'out err':>9} {'state err':>9}  case")
+            for r in rows:
+                total += 1
+                failures += 0 if r["ok"] else 1
+                detail = r.get("error") or "".join(
+                    f" [{k} failed]" for k in ("padding_zero", "conv_exact", "untouched_ok") if r.get(k) is False)
+                print(f"{op:<5} {r['impl']:<7} {'PASS' if r['ok'] else 'FAIL':<6} "
+                      f"{r.get('out_err', float('nan')):>9.2e} {r.get('state_err', float('nan')):>9.2e}  {r['case']}{detail}")
+            print(f"({time.time() - t0:.1f} s)")
+    print(f"\n{total - failures} passed, {failures} failed")
+    return 1 if failures else 0
+
+
+def cmd_bench(args) -> int:
+    from backend_core import platform
+    from backend_core.timing import today, write_rows
+
+    if not platform.has_gpu():
+        print("bench needs a CUDA/ROCm GPU; this machine has none (timings on the CPU interpreter mean nothing)")
+        return 2
+    if args.op != "kda":
+        print(f"bench: unknown op {args.op!r} (expected: kda)")
+        return 2
+    import torch
+
+    from kda_backend.benchmark import run_bench
+
+    batches = [int(b) for b in args.batches.split(",")]
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    rows = run_bench(batches=batches, H=args.heads, K=args.head_dim,
+                     state_dtypes=[dtypes[d] for d in args.state_dtypes.split(",")],
+                     f_b_modes=[m == "on" for m in args.f_b.split(",")], lower_bound=args.lower_bound,
+                     impls=args.impl.split(","), trials=args.trials, with_fla=not args.no_fla)
+    dev = platform.device_info().name.replace(" ", "_")
+    out = Path(args.out) if args.out else Path("benchmarks/results") / f"kda_decode_{dev}_{today()}.csv"
+    write_rows(out, rows)
+    print(f"{len(rows)} rows appended to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="flydsl-backends", description=__doc__.split("\n\n")[0])
+    p.add_argument("-v", "--verbose", action="store_true", help="log implementation choices")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("info", help="platform and implementation availability")
+    v = sub.add_parser("verify", help="every available implementation against the reference")
+    v.add_argument("--op", default="all", choices=("all",) + OPS)
+    v.add_argument("--backend", action="append", help="only these implementations (repeatable)")
+    v.add_argument("--small", action="store_true", help="small shapes even on a GPU")
+    b = sub.add_parser("bench", help="CUDA-graph timings, CSV rows under benchmarks/results/")
+    b.add_argument("op", choices=OPS)
+    b.add_argument("--batches", default="1,32,128")
+    b.add_argument("--heads", type=int, default=12)
+    b.add_argument("--head-dim", type=int, default=128)
+    b.add_argument("--state-dtypes", default="fp32,bf16")
+    b.add_argument("--f-b", default="off,on", help="comma list of off/on")
+    b.add_argument("--lower-bound", type=float, default=None, help="safe-gate lower bound (Kimi-K3: -5)")
+    b.add_argument("--impl", default="triton", help="comma list of implementations to time")
+    b.add_argument("--trials", type=int, default=50)
+    b.add_argument("--no-fla", action="store_true", help="skip the composed fla-core baseline")
+    b.add_argument("--out", default=None, help="CSV path (default benchmarks/results/kda_decode_<device>_<date>.csv)")
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    return {"info": cmd_info, "verify": cmd_verify, "bench": cmd_bench}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
