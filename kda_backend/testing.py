@@ -13,6 +13,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from backend_core.validation import span_elements
+
 SENTINEL = 1e30
 
 __all__ = ["SENTINEL", "KDACase", "make_case", "clone_caches", "rel_err", "compare_runs"]
@@ -217,18 +219,16 @@ def compare_runs(test: KDACase, ref: KDACase, original: KDACase, *, out_tol: flo
 
 
 def _untouched(test: KDACase, original: KDACase, name: str) -> bool:
-    """Bytes of ``name``'s page storage outside the live slots' views equal the original's."""
-    after = test.storage[name].view(torch.uint8).cpu().clone()
-    before = original.storage[name].view(torch.uint8).cpu().clone()
-    # blank out the live views in both copies, then everything else must match
-    view_a = test.kwargs[name]
-    elem = test.storage[name].element_size()
-    base = test.storage[name]
-    mark = torch.zeros(base.numel(), dtype=torch.bool)
-    flat_idx = torch.as_strided(torch.arange(base.numel()), view_a.shape, view_a.stride(),
-                                view_a.storage_offset() - base.storage_offset())
-    mark[flat_idx[test.live_slots].reshape(-1)] = True
-    mark = mark.repeat_interleave(elem).view(after.shape)
-    after[mark] = 0
-    before[mark] = 0
-    return bool(torch.equal(after, before))
+    """Bytes of ``name``'s page storage outside the live slots' views equal the original's.
+
+    ``make_case`` lays each slot's view at the start of its storage row, followed by the page
+    padding: rows of other slots must be unchanged whole, live rows past the view's span too.
+    """
+    after, before = test.storage[name], original.storage[name]
+    span = span_elements(test.kwargs[name][0])
+    dead = torch.ones(after.shape[0], dtype=torch.bool, device=after.device)
+    dead[test.live_slots] = False
+    live = ~dead
+    as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731  (NaN-safe bitwise compare)
+    return bool(torch.equal(as_bytes(after[dead]), as_bytes(before[dead]))
+                and torch.equal(as_bytes(after[live][:, span:]), as_bytes(before[live][:, span:])))
