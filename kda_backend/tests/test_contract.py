@@ -191,3 +191,31 @@ def test_is_kda_decode_supported():
     assert not kda_backend.is_kda_decode_supported(backend="flydsl")
     with pytest.raises(ValueError, match="backend"):
         kda_backend.is_kda_decode_supported(backend="cuda-magic")
+
+
+@pytest.mark.parametrize("bv", [8, 16])
+@pytest.mark.parametrize("stages", [dict(), dict(norm=False), dict(conv=False)], ids=["conv+norm", "conv", "norm"])
+def test_many_v_blocks_last_program_protocol(monkeypatch, bv, stages):
+    """V split over several programs: the last one shifts the q/k conv windows and applies the norm.
+    Two consecutive steps check that the per-(row, head) counters are reset for the next launch."""
+    if not kda_backend.REGISTRY.get("triton").is_available()[0]:
+        pytest.skip("triton not usable here")
+    from kda_backend import triton as ktriton
+
+    monkeypatch.setenv("FLYDSL_BACKENDS_KDA_TRITON_BV", str(bv))
+    ktriton.launch_config.cache_clear()
+    try:
+        case = make_case(B=4, H=2, K=32, W=4, padding=[1], **stages, device=DEVICE, seed=21)
+        ref, test = clone_caches(case), clone_caches(case)
+        for step in range(2):
+            run_reference(ref.problem(), compute_dtype=torch.float64)
+            test.call("triton")
+            res = compare_runs(test, ref, case if step == 0 else case, **tolerances(torch.float32))
+            assert res["out_err"] < 1e-2 and res["state_err"] < 1e-4 and res["padding_zero"], (step, res)
+            if case.kwargs.get("conv_state") is not None:
+                assert res["conv_exact"], (step, res)
+        cnt = ktriton.WORKSPACE.get(DEVICE, 8, 32)[0]
+        assert int(cnt[:8].abs().sum()) == 0  # counters back at zero
+    finally:
+        monkeypatch.delenv("FLYDSL_BACKENDS_KDA_TRITON_BV")
+        ktriton.launch_config.cache_clear()

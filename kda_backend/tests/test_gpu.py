@@ -139,3 +139,25 @@ def test_compiled_kernels_do_not_grow_with_scalars():
         clone_caches(case).call("triton", norm_eps=1e-6 * (i + 1))
         clone_caches(case).call("triton", lower_bound=-1.0 - 0.3 * i)
     assert n_compiled() == before
+
+
+@pytest.mark.parametrize("bv", [8, 16, 32])
+def test_v_split_conv_window_race(monkeypatch, bv):
+    """Many V-blocks per (row, head) read the same q/k conv window; only the last may shift it.
+    A premature shift changes later blocks' q/k, so state, out and conv_state would all disagree."""
+    from kda_backend import triton as ktriton
+
+    monkeypatch.setenv("FLYDSL_BACKENDS_KDA_TRITON_BV", str(bv))
+    ktriton.launch_config.cache_clear()
+    try:
+        case = make_case(B=128, H=12, K=128, W=4, slots=140, padding=[7], device="cuda", seed=5)
+        ref, test = clone_caches(case), clone_caches(case)
+        for step in range(3):
+            run_reference(ref.problem(), compute_dtype=torch.float64)
+            test.call("triton")
+            torch.cuda.synchronize()
+            res = compare_runs(test, ref, case, **tolerances(torch.float32))
+            assert res["conv_exact"] and res["state_err"] < 1e-4 and res["out_err"] < 1e-2, (step, res)
+    finally:
+        monkeypatch.delenv("FLYDSL_BACKENDS_KDA_TRITON_BV")
+        ktriton.launch_config.cache_clear()

@@ -44,20 +44,63 @@ def supports(p: KDAProblem) -> Tuple[bool, str]:
         return False, f"conv width W={p.W} not in 2..4"
     if p.has_f_b and p.R > MAX_F_B_RANK:
         return False, f"f_b rank R={p.R} > {MAX_F_B_RANK}"
-    if p.H > 65535:
-        return False, f"H={p.H} exceeds the grid's second dimension (65535)"
+    if p.H > 65535 or p.B > 65535:
+        return False, f"B={p.B}, H={p.H}: the grid's second and third dimensions stop at 65535"
     return True, "ok"
 
 
 @functools.lru_cache(maxsize=1024)
-def launch_config(K: int, R: int, state_dtype: torch.dtype) -> dict:
-    """Compiled-specialization settings for a shape class (bounded LRU; scalars are not part of it)."""
-    forced = os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_WARPS")
-    if forced:
-        num_warps = int(forced)
-    else:
-        num_warps = {32: 2, 64: 4, 128: 8}[K]
-    return {"num_warps": num_warps, "BR": max(16, 1 << (max(R, 1) - 1).bit_length())}
+def launch_config(K: int, R: int, state_dtype: torch.dtype, has_f_b: bool) -> dict:
+    """Compiled-specialization settings for a shape class (bounded LRU; scalars are not part of it).
+
+    BV (state rows per program) and num_warps; FLYDSL_BACKENDS_KDA_TRITON_BV / _WARPS override
+    them for tuning sweeps (call ``launch_config.cache_clear()`` after changing them).
+    """
+    bv, warps = DEFAULTS.get((K, has_f_b), (min(K, 32), 4))
+    bv = int(os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_BV", bv))
+    warps = int(os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_WARPS", warps))
+    if bv < 1 or K % bv or bv & (bv - 1):
+        raise ValueError(f"FLYDSL_BACKENDS_KDA_TRITON_BV={bv}: expected a power of two dividing V={K}")
+    return {"BV": bv, "num_warps": warps, "BR": max(16, 1 << (max(R, 1) - 1).bit_length())}
+
+
+# (K, f_b) -> (BV, num_warps); measured on an H200 (benchmarks/results/).
+DEFAULTS = {
+    (32, False): (32, 2), (32, True): (32, 2),
+    (64, False): (32, 4), (64, True): (32, 4),
+    (128, False): (32, 4), (128, True): (32, 4),
+}
+
+
+class _Workspace:
+    """Per (device, stream) scratch for the last-program protocol: zeroed counters, FP32 o rows.
+
+    Sized once (grown only outside CUDA-graph capture), so a captured launch always sees the same
+    buffers; the kernel leaves the counters at zero after every launch.
+    """
+
+    MIN_PAIRS = 32768
+
+    def __init__(self):
+        self._by_key = {}
+
+    def get(self, device: torch.device, pairs: int, V: int):
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+        key = (device, stream)
+        ws = self._by_key.get(key)
+        if ws is None or ws[0].numel() < pairs or ws[1].numel() < pairs * V:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise ValueError(
+                    f"state_indices: batch x heads = {pairs} exceeds the KDA workspace "
+                    f"({0 if ws is None else ws[0].numel()} pairs) during CUDA-graph capture; run one eager step "
+                    "at the largest batch size before capturing")
+            n = max(pairs, self.MIN_PAIRS, 0 if ws is None else ws[0].numel())
+            ws = (torch.zeros(n, dtype=torch.int32, device=device), torch.empty(n * V, dtype=torch.float32, device=device))
+            self._by_key[key] = ws
+        return ws
+
+
+WORKSPACE = _Workspace()
 
 
 def run(p: KDAProblem) -> torch.Tensor:
@@ -65,11 +108,17 @@ def run(p: KDAProblem) -> torch.Tensor:
         return p.out
     from .kda_decode import kda_decode_kernel  # imports triton
 
-    cfg = launch_config(p.K, p.R, p.state.dtype)
+    cfg = launch_config(p.K, p.R, p.state.dtype, p.has_f_b)
+    bv = cfg["BV"]
+    nv = p.V // bv
     dummy = p.x
+    if nv > 1 and (p.has_conv or p.has_norm):
+        cnt, ows = WORKSPACE.get(p.device, p.B * p.H, p.V)
+    else:
+        cnt, ows = dummy, dummy
     cw, cb, cs = p.conv_weight, p.conv_bias, p.conv_state
     gate, nw = p.output_gate, p.norm_weight
-    kda_decode_kernel[(p.B, p.H)](
+    kda_decode_kernel[(nv, p.H, p.B)](
         p.x,
         cw if cw is not None else dummy,
         cb if cb is not None else dummy,
@@ -80,7 +129,7 @@ def run(p: KDAProblem) -> torch.Tensor:
         p.b, p.A_log, p.dt_bias, p.state, p.state_indices,
         gate if gate is not None else dummy,
         nw if nw is not None else dummy,
-        p.out,
+        p.out, cnt, ows,
         p.num_slots, p.scale, p.lower_bound if p.lower_bound is not None else 0.0, p.norm_eps,
         p.x.stride(0),
         cw.stride(0) if cw is not None else 0, cw.stride(1) if cw is not None else 0,
@@ -93,7 +142,7 @@ def run(p: KDAProblem) -> torch.Tensor:
         p.b.stride(0), p.b.stride(1), p.state.stride(0), p.state_indices.stride(0),
         gate.stride(0) if gate is not None else 0, gate.stride(1) if gate is not None else 0,
         p.out.stride(0), p.out.stride(1),
-        H=p.H, K=p.K, V=p.V, W=max(p.W, 2), R=max(p.R, 1), BR=cfg["BR"],
+        H=p.H, K=p.K, V=p.V, BV=bv, W=max(p.W, 2), R=max(p.R, 1), BR=cfg["BR"],
         HAS_CONV=p.has_conv, HAS_BIAS=p.conv_bias is not None, HAS_FB=p.has_f_b, HAS_NORM=p.has_norm,
         USE_LOWER_BOUND=p.lower_bound is not None,
         num_warps=cfg["num_warps"],

@@ -2,30 +2,37 @@
 #
 # Design
 # ------
-# Grid: (B, H). One program owns one (row n, head h) pair: the K q-channels, K k-channels and V
-# v-channels of head h, and the whole [V, K] recurrent-state tile of (slot, h). Because a program
-# owns all channels it reads, the conv window shift needs no cross-program ordering, and the gated
-# RMSNorm over V needs no cross-program reduction.
+# Grid: (NV, H, B) with NV = V / BV. Program (i_v, h, n) owns rows [i_v*BV, (i_v+1)*BV) of the
+# [V, K] recurrent-state tile of (slot(n), h), the matching BV v-channels, and reads all K q- and
+# K k-channels of head h. Splitting V keeps the per-program tile small (BV x K: 16 KB at BV=32,
+# K=128, FP32), so many programs are resident per SM and B=1 still spreads over NV*H programs.
+# Each program recomputes the cheap per-(row, head) work (q/k conv + SiLU + L2 norm, the gate,
+# beta) instead of exchanging it through memory.
 #
-# Per program, in registers (num_warps warps; a [128, 128] FP32 tile is 64 registers per thread at
-# 8 warps):
-#   * the state tile S [V, K] (FP32 or BF16 in memory, FP32 in registers; K innermost so the load
-#     and store are 16-byte vectors along K), issued first so its latency hides the conv and gate
-#     math;
-#   * the conv window [W-1] x {q, k, v channels} (BF16 in memory), conv weights (FP32), the
-#     post-SiLU q, k [K] and v [V];
-#   * the forget gate [K]: from `a` (BF16) or, in the f_b variant, the FP32 dot
-#     f_a[n] . f_b_weight[h]^T over a [K, R] BF16 tile (the projected gate never touches HBM).
-# No shared memory is used explicitly (Triton uses a little for the K reductions).
+# In registers per program: the state tile S [BV, K] (FP32 or BF16 in memory, FP32 in registers;
+# K innermost, so loads/stores are 16-byte vectors along K; issued first so its latency hides the
+# conv and gate math), the conv window of its channels (BF16), conv weights (FP32), q, k [K],
+# v [BV], the forget gate [K] (from `a`, or in the f_b variant the FP32 dot
+# f_a[n] . f_b_weight[h]^T over a [K, R] BF16 tile: the projected gate never touches HBM).
+# No explicit shared memory (Triton uses a little for the reductions and the atomic broadcast).
 #
-# Caches: rows whose slot is negative or >= num_slots are padding. Their cache loads and stores
-# are masked off and their output row is written with zeros. Before the first cache store the
-# program passes a CTA barrier so that no thread can overwrite a cache element another thread of
-# the same program has not read yet (Triton may replicate small vectors across threads).
+# Cross-program work, done by the LAST program of a (row, head) to finish:
+#   * the q/k conv windows are read by all NV programs, so none may shift them while another may
+#     still read the old window (no grid-wide order exists). Every program reads, passes a CTA
+#     barrier, then increments a per-(row, head) counter (atomic, acq_rel, gpu scope); the one that
+#     sees NV-1 writes the shifted q/k windows from its registers and resets the counter to 0 (so
+#     CUDA graphs replay). Each program shifts its own v channels directly.
+#   * the gated RMSNorm needs all V outputs: programs write raw o (FP32) to a workspace before the
+#     increment; the last one reads the full row, normalizes, gates and writes `out`.
+# With NV == 1, or with neither the conv nor the norm stage, no counter is used.
+#
+# Caches: rows whose slot is negative or >= num_slots are padding: cache loads and stores are
+# masked off and the output row is zero. A CTA barrier precedes the first cache store so no thread
+# overwrites an element another thread of the program has not read (Triton may replicate vectors).
 #
 # Offsets: row and slot offsets are int64 (caches > 4 GiB); offsets within one slot are int32
-# (the wrapper checks that a slot spans < 2**31 elements). All runtime scalars (norm_eps,
-# lower_bound, scale) are plain arguments, so they never multiply compiled specializations.
+# (the wrapper checks that a slot spans < 2**31 elements). Runtime scalars (norm_eps,
+# lower_bound, scale, num_slots) are plain arguments, so they never multiply specializations.
 
 import triton
 import triton.language as tl
@@ -80,20 +87,25 @@ def _conv_shift(p_cs_slot, o_c, b_x, b_s1, b_s2, live, stride_cs_c, stride_cs_w,
 @triton.jit
 def kda_decode_kernel(
     p_x, p_cw, p_cb, p_cs, p_a, p_fa, p_fbw, p_b, p_A_log, p_dt_bias, p_state, p_idx, p_gate, p_nw, p_out,
+    p_cnt, p_ows,
     num_slots, scale, lower_bound, norm_eps,
     stride_x_n, stride_cw_c, stride_cw_w,
     stride_cs_slot, stride_cs_c, stride_cs_w,
     stride_a_n, stride_fa_n, stride_fbw_h, stride_fbw_k,
     stride_b_n, stride_b_h, stride_s_slot, stride_idx,
     stride_g_n, stride_g_h, stride_o_n, stride_o_h,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, W: tl.constexpr, R: tl.constexpr, BR: tl.constexpr,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
+    R: tl.constexpr, BR: tl.constexpr,
     HAS_CONV: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_FB: tl.constexpr, HAS_NORM: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
 ):
-    i_n = tl.program_id(0).to(tl.int64)
+    NV: tl.constexpr = V // BV
+    SYNC: tl.constexpr = (NV > 1) and (HAS_CONV or HAS_NORM)
+    i_v = tl.program_id(0)
     i_h = tl.program_id(1)
+    i_n = tl.program_id(2).to(tl.int64)
     o_k = tl.arange(0, K)
-    o_v = tl.arange(0, V)
+    o_v = i_v * BV + tl.arange(0, BV)
 
     s = tl.load(p_idx + i_n * stride_idx).to(tl.int64)
     live = (s >= 0) & (s < num_slots)
@@ -103,7 +115,7 @@ def kda_decode_kernel(
     p_S = p_state + s * stride_s_slot + i_h * (V * K) + o_v[:, None] * K + o_k[None, :]
     b_S = tl.load(p_S, mask=live, other=0.0).to(tl.float32)
 
-    # q | k | v channels of head h (post-conv, post-SiLU), FP32.
+    # q | k | v channels (post-conv, post-SiLU), FP32.
     p_x_row = p_x + i_n * stride_x_n
     o_q = i_h * K + o_k
     o_kc = H * K + i_h * K + o_k
@@ -111,11 +123,11 @@ def kda_decode_kernel(
     if HAS_CONV:
         p_cs_slot = p_cs + s * stride_cs_slot
         b_q, x_q, q_s1, q_s2 = _conv_channels(p_x_row, p_cw, p_cb, p_cs_slot, o_q, live, stride_cw_c, stride_cw_w,
-                                  stride_cs_c, stride_cs_w, W, HAS_BIAS)
+                                              stride_cs_c, stride_cs_w, W, HAS_BIAS)
         b_k, x_k, k_s1, k_s2 = _conv_channels(p_x_row, p_cw, p_cb, p_cs_slot, o_kc, live, stride_cw_c, stride_cw_w,
-                                  stride_cs_c, stride_cs_w, W, HAS_BIAS)
+                                              stride_cs_c, stride_cs_w, W, HAS_BIAS)
         b_v, x_v, v_s1, v_s2 = _conv_channels(p_x_row, p_cw, p_cb, p_cs_slot, o_vc, live, stride_cw_c, stride_cw_w,
-                                  stride_cs_c, stride_cs_w, W, HAS_BIAS)
+                                              stride_cs_c, stride_cs_w, W, HAS_BIAS)
     else:
         b_q = tl.load(p_x_row + o_q).to(tl.float32)
         b_k = tl.load(p_x_row + o_kc).to(tl.float32)
@@ -142,24 +154,49 @@ def kda_decode_kernel(
         b_g = -b_A * tl.where(b_z > 20.0, b_z, tl.log(1.0 + tl.exp(b_z)))
     b_beta = tl.sigmoid(tl.load(p_b + i_n * stride_b_n + i_h * stride_b_h).to(tl.float32))
 
-    # Delta rule, FP32.
+    # Delta rule on the [BV, K] tile, FP32.
     b_S = b_S * tl.exp(b_g)[None, :]
     b_vnew = b_beta * (b_v - tl.sum(b_S * b_k[None, :], 1))
     b_S = b_S + b_vnew[:, None] * b_k[None, :]
     b_o = tl.sum(b_S * b_q[None, :], 1)
 
-    if HAS_NORM:
-        b_rstd = tl.rsqrt(tl.sum(b_o * b_o, 0) / V + norm_eps)
-        b_gate = tl.load(p_gate + i_n * stride_g_n + i_h * stride_g_h + o_v).to(tl.float32)
-        b_w = tl.load(p_nw + o_v).to(tl.float32)
-        b_o = b_o * b_rstd * b_w * tl.sigmoid(b_gate)
-    b_o = tl.where(live, b_o, 0.0)
-
     # Every thread has read its cache elements before any thread of this program overwrites one.
     tl.debug_barrier()
     tl.store(p_S, b_S.to(p_state.dtype.element_ty), mask=live)
     if HAS_CONV:
-        _conv_shift(p_cs_slot, o_q, x_q, q_s1, q_s2, live, stride_cs_c, stride_cs_w, W)
-        _conv_shift(p_cs_slot, o_kc, x_k, k_s1, k_s2, live, stride_cs_c, stride_cs_w, W)
         _conv_shift(p_cs_slot, o_vc, x_v, v_s1, v_s2, live, stride_cs_c, stride_cs_w, W)
-    tl.store(p_out + i_n * stride_o_n + i_h * stride_o_h + o_v, b_o.to(p_out.dtype.element_ty))
+
+    p_out_row = p_out + i_n * stride_o_n + i_h * stride_o_h
+    p_g_row = p_gate + i_n * stride_g_n + i_h * stride_g_h
+    if SYNC:
+        p_ows_row = p_ows + (i_n * H + i_h) * V
+        if HAS_NORM:
+            tl.store(p_ows_row + o_v, b_o)
+        else:
+            tl.store(p_out_row + o_v, tl.where(live, b_o, 0.0).to(p_out.dtype.element_ty))
+        tl.debug_barrier()  # all threads' cache reads and workspace writes precede the release
+        p_c = p_cnt + i_n * H + i_h
+        arrived = tl.atomic_add(p_c, 1, sem="acq_rel", scope="gpu")
+        if arrived == NV - 1:  # the last program of this (row, head)
+            if HAS_CONV:
+                _conv_shift(p_cs_slot, o_q, x_q, q_s1, q_s2, live, stride_cs_c, stride_cs_w, W)
+                _conv_shift(p_cs_slot, o_kc, x_k, k_s1, k_s2, live, stride_cs_c, stride_cs_w, W)
+            if HAS_NORM:
+                o_all = tl.arange(0, V)
+                b_o_all = tl.load(p_ows_row + o_all)
+                b_rstd = tl.rsqrt(tl.sum(b_o_all * b_o_all, 0) / V + norm_eps)
+                b_gate = tl.load(p_g_row + o_all).to(tl.float32)
+                b_w = tl.load(p_nw + o_all).to(tl.float32)
+                b_y = b_o_all * b_rstd * b_w * tl.sigmoid(b_gate)
+                tl.store(p_out_row + o_all, tl.where(live, b_y, 0.0).to(p_out.dtype.element_ty))
+            tl.atomic_xchg(p_c, 0, sem="relaxed", scope="gpu")  # reset for the next launch / replay
+    else:
+        if HAS_CONV:
+            _conv_shift(p_cs_slot, o_q, x_q, q_s1, q_s2, live, stride_cs_c, stride_cs_w, W)
+            _conv_shift(p_cs_slot, o_kc, x_k, k_s1, k_s2, live, stride_cs_c, stride_cs_w, W)
+        if HAS_NORM:
+            b_rstd = tl.rsqrt(tl.sum(b_o * b_o, 0) / V + norm_eps)
+            b_gate = tl.load(p_g_row + o_v).to(tl.float32)
+            b_w = tl.load(p_nw + o_v).to(tl.float32)
+            b_o = b_o * b_rstd * b_w * tl.sigmoid(b_gate)
+        tl.store(p_out_row + o_v, tl.where(live, b_o, 0.0).to(p_out.dtype.element_ty))
