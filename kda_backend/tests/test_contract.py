@@ -193,7 +193,7 @@ def test_is_kda_decode_supported():
         kda_backend.is_kda_decode_supported(backend="cuda-magic")
 
 
-@pytest.mark.parametrize("bv", [8, 16])
+@pytest.mark.parametrize("bv", [8, 16, 32])
 @pytest.mark.parametrize("stages", [dict(), dict(norm=False), dict(conv=False)], ids=["conv+norm", "conv", "norm"])
 def test_many_v_blocks_last_program_protocol(monkeypatch, bv, stages):
     """V split over several programs: the last one shifts the q/k conv windows and applies the norm.

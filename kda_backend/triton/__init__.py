@@ -50,57 +50,61 @@ def supports(p: KDAProblem) -> Tuple[bool, str]:
 
 
 @functools.lru_cache(maxsize=1024)
-def launch_config(K: int, R: int, state_dtype: torch.dtype, has_f_b: bool) -> dict:
+def launch_config(K: int, R: int, state_dtype: torch.dtype, has_f_b: bool, pairs_class: int, sms: int) -> dict:
     """Compiled-specialization settings for a shape class (bounded LRU; scalars are not part of it).
 
-    BV (state rows per program) and num_warps; FLYDSL_BACKENDS_KDA_TRITON_BV / _WARPS override
-    them for tuning sweeps (call ``launch_config.cache_clear()`` after changing them).
+    BV (state rows per program): programs per (row, head) NV = V / BV is the smallest power of two
+    that gives >= 2 programs per SM, capped at V / 16 (measured on an H200: B*H = 12 runs best at
+    BV = 16, B*H >= 384 at BV = V, one program per (row, head)). ``pairs_class`` is B*H rounded
+    up to a power of two, so the cache key stays small. FLYDSL_BACKENDS_KDA_TRITON_BV / _WARPS
+    override both for tuning sweeps (call ``launch_config.cache_clear()`` after changing them).
     """
-    bv, warps = DEFAULTS.get((K, has_f_b), (min(K, 32), 4))
-    bv = int(os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_BV", bv))
-    warps = int(os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_WARPS", warps))
+    nv = 1
+    while pairs_class * nv < 2 * max(sms, 1) and K // (2 * nv) >= 16:
+        nv *= 2
+    bv = int(os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_BV", K // nv))
+    warps = int(os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_WARPS", 2 if K <= 32 else 4))
     if bv < 1 or K % bv or bv & (bv - 1):
         raise ValueError(f"FLYDSL_BACKENDS_KDA_TRITON_BV={bv}: expected a power of two dividing V={K}")
-    return {"BV": bv, "num_warps": warps, "BR": max(16, 1 << (max(R, 1) - 1).bit_length())}
+    br = max(16, 1 << (max(R, 1) - 1).bit_length())
+    return {"BV": bv, "num_warps": warps, "BR": br, "RC": min(br, 32)}
 
 
-# (K, f_b) -> (BV, num_warps); measured on an H200 (benchmarks/results/).
-DEFAULTS = {
-    (32, False): (32, 2), (32, True): (32, 2),
-    (64, False): (32, 4), (64, True): (32, 4),
-    (128, False): (32, 4), (128, True): (32, 4),
-}
+MAX_SPLIT_PAIRS = 4096
 
 
 class _Workspace:
-    """Per (device, stream) scratch for the last-program protocol: zeroed counters, FP32 o rows.
+    """Per-device scratch for the last-program protocol: zeroed counters and FP32 o rows.
 
-    Sized once (grown only outside CUDA-graph capture), so a captured launch always sees the same
-    buffers; the kernel leaves the counters at zero after every launch.
+    Only launches that split V use it, and the launch policy splits only when B*H is small (a
+    few programs per SM), so a fixed capacity of MAX_SPLIT_PAIRS (row, head) pairs suffices. It is
+    allocated on the first eager call on a device; the kernel leaves the counters at zero after
+    every launch, so CUDA graphs replay. Launches that split V must not run concurrently on two
+    streams of one device (they share the counters).
     """
 
-    MIN_PAIRS = 32768
-
     def __init__(self):
-        self._by_key = {}
+        self._by_device = {}
 
     def get(self, device: torch.device, pairs: int, V: int):
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-        key = (device, stream)
-        ws = self._by_key.get(key)
+        ws = self._by_device.get(device)
         if ws is None or ws[0].numel() < pairs or ws[1].numel() < pairs * V:
             if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
                 raise ValueError(
-                    f"state_indices: batch x heads = {pairs} exceeds the KDA workspace "
-                    f"({0 if ws is None else ws[0].numel()} pairs) during CUDA-graph capture; run one eager step "
-                    "at the largest batch size before capturing")
-            n = max(pairs, self.MIN_PAIRS, 0 if ws is None else ws[0].numel())
-            ws = (torch.zeros(n, dtype=torch.int32, device=device), torch.empty(n * V, dtype=torch.float32, device=device))
-            self._by_key[key] = ws
+                    "KDA Triton workspace: first use on this device is inside CUDA-graph capture; run one eager "
+                    "decode step before capturing (frameworks' warm-up runs do)")
+            n = max(pairs, MAX_SPLIT_PAIRS)
+            ws = (torch.zeros(n, dtype=torch.int32, device=device),
+                  torch.empty(n * max(V, 128), dtype=torch.float32, device=device))
+            self._by_device[device] = ws
         return ws
 
 
 WORKSPACE = _Workspace()
+
+
+def _sm_count(device: torch.device) -> int:
+    return platform.device_info(device).multiprocessors if device.type == "cuda" else 132
 
 
 def run(p: KDAProblem) -> torch.Tensor:
@@ -108,9 +112,12 @@ def run(p: KDAProblem) -> torch.Tensor:
         return p.out
     from .kda_decode import kda_decode_kernel  # imports triton
 
-    cfg = launch_config(p.K, p.R, p.state.dtype, p.has_f_b)
+    pairs = p.B * p.H
+    cfg = launch_config(p.K, p.R, p.state.dtype, p.has_f_b, 1 << (pairs - 1).bit_length(), _sm_count(p.device))
     bv = cfg["BV"]
     nv = p.V // bv
+    if nv > 1 and pairs > MAX_SPLIT_PAIRS:
+        bv, nv = p.V, 1  # an override asked for a split the workspace is not sized for
     dummy = p.x
     if nv > 1 and (p.has_conv or p.has_norm):
         cnt, ows = WORKSPACE.get(p.device, p.B * p.H, p.V)
@@ -142,7 +149,7 @@ def run(p: KDAProblem) -> torch.Tensor:
         p.b.stride(0), p.b.stride(1), p.state.stride(0), p.state_indices.stride(0),
         gate.stride(0) if gate is not None else 0, gate.stride(1) if gate is not None else 0,
         p.out.stride(0), p.out.stride(1),
-        H=p.H, K=p.K, V=p.V, BV=bv, W=max(p.W, 2), R=max(p.R, 1), BR=cfg["BR"],
+        H=p.H, K=p.K, V=p.V, BV=bv, W=max(p.W, 2), R=max(p.R, 1), BR=cfg["BR"], RC=cfg["RC"],
         HAS_CONV=p.has_conv, HAS_BIAS=p.conv_bias is not None, HAS_FB=p.has_f_b, HAS_NORM=p.has_norm,
         USE_LOWER_BOUND=p.lower_bound is not None,
         num_warps=cfg["num_warps"],

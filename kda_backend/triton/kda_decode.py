@@ -95,7 +95,7 @@ def kda_decode_kernel(
     stride_b_n, stride_b_h, stride_s_slot, stride_idx,
     stride_g_n, stride_g_h, stride_o_n, stride_o_h,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
-    R: tl.constexpr, BR: tl.constexpr,
+    R: tl.constexpr, BR: tl.constexpr, RC: tl.constexpr,
     HAS_CONV: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_FB: tl.constexpr, HAS_NORM: tl.constexpr,
     USE_LOWER_BOUND: tl.constexpr,
 ):
@@ -113,7 +113,7 @@ def kda_decode_kernel(
 
     # Recurrent state tile first: the longest-latency load.
     p_S = p_state + s * stride_s_slot + i_h * (V * K) + o_v[:, None] * K + o_k[None, :]
-    b_S = tl.load(p_S, mask=live, other=0.0).to(tl.float32)
+    b_S = tl.load(p_S, mask=live, other=0.0, eviction_policy="evict_first").to(tl.float32)
 
     # q | k | v channels (post-conv, post-SiLU), FP32.
     p_x_row = p_x + i_n * stride_x_n
@@ -138,12 +138,15 @@ def kda_decode_kernel(
 
     # Forget gate (log decay per K channel), FP32.
     if HAS_FB:
-        o_r = tl.arange(0, BR)
-        m_r = o_r < R
-        b_fa = tl.load(p_fa + i_n * stride_fa_n + o_r, mask=m_r, other=0.0).to(tl.float32)
-        p_fbw_t = p_fbw + i_h * stride_fbw_h + o_k[:, None] * stride_fbw_k + o_r[None, :]
-        b_fbw = tl.load(p_fbw_t, mask=m_r[None, :], other=0.0).to(tl.float32)
-        b_a = tl.sum(b_fbw * b_fa[None, :], 1)
+        # R in chunks of RC so the [K, RC] weight chunk, not a [K, R] tile, is live in registers
+        b_a = tl.zeros([K], dtype=tl.float32)
+        for r0 in tl.static_range(0, BR, RC):
+            o_r = r0 + tl.arange(0, RC)
+            m_r = o_r < R
+            b_fa = tl.load(p_fa + i_n * stride_fa_n + o_r, mask=m_r, other=0.0).to(tl.float32)
+            p_fbw_t = p_fbw + i_h * stride_fbw_h + o_k[:, None] * stride_fbw_k + o_r[None, :]
+            b_fbw = tl.load(p_fbw_t, mask=m_r[None, :], other=0.0).to(tl.float32)
+            b_a += tl.sum(b_fbw * b_fa[None, :], 1)
     else:
         b_a = tl.load(p_a + i_n * stride_a_n + i_h * K + o_k).to(tl.float32)
     b_z = b_a + tl.load(p_dt_bias + i_h * K + o_k)
@@ -162,7 +165,7 @@ def kda_decode_kernel(
 
     # Every thread has read its cache elements before any thread of this program overwrites one.
     tl.debug_barrier()
-    tl.store(p_S, b_S.to(p_state.dtype.element_ty), mask=live)
+    tl.store(p_S, b_S.to(p_state.dtype.element_ty), mask=live, eviction_policy="evict_first")
     if HAS_CONV:
         _conv_shift(p_cs_slot, o_vc, x_v, v_s1, v_s2, live, stride_cs_c, stride_cs_w, W)
 
