@@ -157,14 +157,11 @@ def kda_decode_kernel(
         b_g = -b_A * tl.where(b_z > 20.0, b_z, tl.log(1.0 + tl.exp(b_z)))
     b_beta = tl.sigmoid(tl.load(p_b + i_n * stride_b_n + i_h * stride_b_h).to(tl.float32))
 
-    # Delta rule on the [BV, K] tile, FP32. Both K-reductions read the decayed tile, so they are
-    # independent: o = (S + v' kᵀ) q = S q + v' (k·q).
+    # Delta rule on the [BV, K] tile, FP32.
     b_S = b_S * tl.exp(b_g)[None, :]
-    b_Sk = tl.sum(b_S * b_k[None, :], 1)
-    b_Sq = tl.sum(b_S * b_q[None, :], 1)
-    b_vnew = b_beta * (b_v - b_Sk)
-    b_o = b_Sq + b_vnew * tl.sum(b_k * b_q, 0)
+    b_vnew = b_beta * (b_v - tl.sum(b_S * b_k[None, :], 1))
     b_S = b_S + b_vnew[:, None] * b_k[None, :]
+    b_o = tl.sum(b_S * b_q[None, :], 1)
 
     # Every thread has read its cache elements before any thread of this program overwrites one.
     tl.debug_barrier()
