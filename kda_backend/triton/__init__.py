@@ -54,13 +54,15 @@ def launch_config(K: int, R: int, state_dtype: torch.dtype, has_f_b: bool, pairs
     """Compiled-specialization settings for a shape class (bounded LRU; scalars are not part of it).
 
     BV (state rows per program): programs per (row, head) NV = V / BV is the smallest power of two
-    that gives >= 2 programs per SM, capped at V / 16 (measured on an H200: B*H = 12 runs best at
-    BV = 16, B*H >= 384 at BV = V, one program per (row, head)). ``pairs_class`` is B*H rounded
+    that gives >= 2 programs per SM, capped at V / 16; the f_b variant never splits (measured on an
+    H200, benchmarks/NOTES.md: B*H = 12 runs best at BV = 16 without f_b and at BV = V with it;
+    B*H >= 384 at BV = V, one program per (row, head), 4 warps). ``pairs_class`` is B*H rounded
     up to a power of two, so the cache key stays small. FLYDSL_BACKENDS_KDA_TRITON_BV / _WARPS
     override both for tuning sweeps (call ``launch_config.cache_clear()`` after changing them).
     """
     nv = 1
-    while pairs_class * nv < 2 * max(sms, 1) and K // (2 * nv) >= 16:
+    # The f_b variant re-forms the [K, R] projection in every program, so it does not split.
+    while not has_f_b and pairs_class * nv < 2 * max(sms, 1) and K // (2 * nv) >= 16:
         nv *= 2
     bv = int(os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_BV", K // nv))
     warps = int(os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_WARPS", 2 if K <= 32 else 4))
