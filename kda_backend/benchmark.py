@@ -92,12 +92,8 @@ def _reset_fla_autotuners() -> None:
         if not name.startswith("fla.") or mod is None:
             continue
         for obj in list(vars(mod).values()):
-            for _ in range(4):  # @triton.heuristics / @triton.autotune wrappers nest through .fn
-                if isinstance(obj, Autotuner):
-                    obj.cache.clear()
-                obj = getattr(obj, "fn", None)
-                if obj is None:
-                    break
+            if isinstance(obj, Autotuner):
+                obj.cache.clear()
 
 
 def run_bench(batches: Sequence[int] = (1, 32, 128), H: int = 12, K: int = 128, W: int = 4,
