@@ -49,7 +49,6 @@ def _fla_chain(case_sets, H: int, K: int, with_f_b: bool):
         from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
     except Exception:
         return None
-    _reset_fla_autotuners()  # tune for these shapes, not the previous configuration's
     prepared = []
     for c in case_sets:
         kw = c.kwargs
@@ -77,23 +76,6 @@ def _fla_chain(case_sets, H: int, K: int, with_f_b: bool):
                               activation="sigmoid", eps=1e-5)
 
     return step
-
-
-def _reset_fla_autotuners() -> None:
-    """Forget fla's Triton autotuning results: its autotune keys do not always include the batch,
-    so a choice made at B=1 would otherwise be reused (and mis-tuned) at B=128."""
-    import sys
-
-    try:
-        from triton.runtime.autotuner import Autotuner
-    except Exception:
-        return
-    for name, mod in list(sys.modules.items()):
-        if not name.startswith("fla.") or mod is None:
-            continue
-        for obj in list(vars(mod).values()):
-            if isinstance(obj, Autotuner):
-                obj.cache.clear()
 
 
 def run_bench(batches: Sequence[int] = (1, 32, 128), H: int = 12, K: int = 128, W: int = 4,
