@@ -1,0 +1,86 @@
+import logging
+
+import pytest
+
+from backend_core.registry import Implementation, OpRegistry
+
+
+def make(avail=True, supports=True, name="x", result=None):
+    return Implementation(name, lambda: (avail, f"{name} availability"),
+                          lambda call: (supports, f"{name} support verdict"), lambda call: result or name)
+
+
+@pytest.fixture
+def reg():
+    r = OpRegistry("fam", env_var="TEST_FAM_BACKEND", preference={"cuda": ("fast", "slow"), "cpu": ("slow", "fast")})
+    r.register(make(name="fast"))
+    r.register(make(name="slow"))
+    return r
+
+
+def test_auto_follows_device_preference(reg):
+    assert reg.select(None, "auto", "cuda").name == "fast"
+    assert reg.select(None, "auto", "cpu").name == "slow"
+
+
+def test_auto_skips_unavailable_and_unsupported(reg):
+    r = OpRegistry("fam", env_var="TEST_FAM_BACKEND", preference={"cuda": ("a", "b", "c")})
+    r.register(make(name="a", avail=False))
+    r.register(make(name="b", supports=False))
+    r.register(make(name="c"))
+    assert r.select(None, "auto", "cuda").name == "c"
+
+
+def test_auto_with_nothing_able_raises_with_reasons():
+    r = OpRegistry("fam", env_var="TEST_FAM_BACKEND", preference={"cuda": ("a",)})
+    r.register(make(name="a", supports=False))
+    with pytest.raises(ValueError, match="no implementation of fam can serve.*a support verdict"):
+        r.select(None, "auto", "cuda")
+
+
+def test_explicit_backend_that_cannot_serve_raises_reason(reg):
+    reg.register(make(name="broken", avail=False))
+    with pytest.raises(ValueError, match="backend='broken' cannot serve.*not available: broken availability"):
+        reg.select(None, "broken", "cuda")
+    with pytest.raises(ValueError, match="'nope' is not an implementation"):
+        reg.select(None, "nope", "cuda")
+    with pytest.raises(TypeError, match="backend: expected a str"):
+        reg.select(None, 3, "cuda")
+
+
+def test_env_var_forces_choice_for_auto_only(reg, monkeypatch):
+    monkeypatch.setenv("TEST_FAM_BACKEND", "slow")
+    assert reg.select(None, "auto", "cuda").name == "slow"
+    assert reg.select(None, "fast", "cuda").name == "fast"
+    monkeypatch.setenv("TEST_FAM_BACKEND", "bogus")
+    with pytest.raises(ValueError, match="TEST_FAM_BACKEND='bogus'"):
+        reg.select(None, "auto", "cuda")
+
+
+def test_choice_logged_once_per_call_site(reg, caplog):
+    caplog.set_level(logging.INFO, logger="flydsl_backends")
+
+    def op():  # a public op calls select() one frame below
+        return _inner()
+
+    def _inner():
+        return reg.select(None, "auto", "cuda")
+
+    for _ in range(3):
+        op()
+    hits = [r for r in caplog.records if "chose 'fast'" in r.getMessage()]
+    assert len(hits) == 1
+
+
+def test_availability_probe_exception_is_a_reason():
+    def boom():
+        raise RuntimeError("driver exploded")
+
+    impl = Implementation("z", boom, lambda c: (True, ""), lambda c: None)
+    ok, why = impl.is_available()
+    assert not ok and "driver exploded" in why
+
+
+def test_duplicate_registration_rejected(reg):
+    with pytest.raises(ValueError, match="registered twice"):
+        reg.register(make(name="fast"))
