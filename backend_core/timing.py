@@ -19,7 +19,7 @@ import datetime as _dt
 import os
 import statistics
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional
 

@@ -17,6 +17,7 @@ INT32_MAX = 2**31 - 1
 __all__ = [
     "INT32_MAX",
     "require_tensor",
+    "checked_tensor",
     "require_dtype",
     "require_shape",
     "require_same_device",
@@ -38,6 +39,14 @@ def require_tensor(t, name: str, *, optional: bool = False) -> Optional[torch.Te
         raise TypeError(f"{name}: expected a torch.Tensor, got None")
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def checked_tensor(t, name: str, device: torch.device, dtypes: Sequence[torch.dtype]) -> torch.Tensor:
+    """``t`` must be a tensor on ``device`` with one of ``dtypes``; returns it."""
+    require_tensor(t, name)
+    require_same_device(t, name, device)
+    require_dtype(t, name, dtypes)
     return t
 
 

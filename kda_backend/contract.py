@@ -15,10 +15,10 @@ import torch
 
 from backend_core.validation import (
     INT32_MAX,
+    checked_tensor,
     require_dtype,
     require_float,
     require_non_overlapping,
-    require_same_device,
     require_shape,
     require_tensor,
     require_unit_stride,
@@ -129,9 +129,7 @@ def prepare(
     require_unit_stride(x, "x")
     B = int(x.shape[0])
 
-    state = require_tensor(state, "state")
-    require_same_device(state, "state", device)
-    require_dtype(state, "state", STATE_DTYPES)
+    state = checked_tensor(state, "state", device, STATE_DTYPES)
     if state.dim() != 4:
         raise ValueError(f"state: expected shape [slots, H, V, K], got {list(state.shape)}")
     slots, H, V, K = (int(s) for s in state.shape)
@@ -151,18 +149,14 @@ def prepare(
     C = 3 * HK
     require_shape(x, "x", (B, C), "[B, 3*H*K]")
 
-    state_indices = require_tensor(state_indices, "state_indices")
-    require_same_device(state_indices, "state_indices", device)
-    require_dtype(state_indices, "state_indices", INDEX_DTYPES)
+    state_indices = checked_tensor(state_indices, "state_indices", device, INDEX_DTYPES)
     require_shape(state_indices, "state_indices", (B,), "[B]")
 
     # --- conv stage ------------------------------------------------------------------------------
     num_slots = slots
     W = 0
     if conv_weight is not None:
-        conv_weight = require_tensor(conv_weight, "conv_weight")
-        require_same_device(conv_weight, "conv_weight", device)
-        require_dtype(conv_weight, "conv_weight", (torch.float32,))
+        conv_weight = checked_tensor(conv_weight, "conv_weight", device, (torch.float32,))
         if conv_weight.dim() != 2 or int(conv_weight.shape[0]) != C:
             raise ValueError(f"conv_weight: expected shape [3*H*K, W] = [{C}, W], got {list(conv_weight.shape)}")
         W = int(conv_weight.shape[1])
@@ -172,9 +166,7 @@ def prepare(
             raise ValueError(
                 f"conv_weight: expected one unit-stride axis (channel-major or width-major), got strides {tuple(conv_weight.stride())}"
             )
-        conv_state = require_tensor(conv_state, "conv_state")
-        require_same_device(conv_state, "conv_state", device)
-        require_dtype(conv_state, "conv_state", ACT_DTYPES)
+        conv_state = checked_tensor(conv_state, "conv_state", device, ACT_DTYPES)
         if conv_state.dim() != 3 or int(conv_state.shape[1]) != C or int(conv_state.shape[2]) != W - 1:
             raise ValueError(
                 f"conv_state: expected shape [slots, 3*H*K, W-1] = [slots, {C}, {W - 1}], got {list(conv_state.shape)}"
@@ -186,9 +178,7 @@ def prepare(
             raise ValueError(f"conv_state: one slot spans {span_elements(conv_state[0])} elements, past the int32 index space")
         num_slots = min(slots, int(conv_state.shape[0]))
         if conv_bias is not None:
-            conv_bias = require_tensor(conv_bias, "conv_bias")
-            require_same_device(conv_bias, "conv_bias", device)
-            require_dtype(conv_bias, "conv_bias", (torch.float32,))
+            conv_bias = checked_tensor(conv_bias, "conv_bias", device, (torch.float32,))
             require_shape(conv_bias, "conv_bias", (C,), "[3*H*K]")
             require_unit_stride(conv_bias, "conv_bias")
     else:
@@ -198,43 +188,31 @@ def prepare(
 
     # --- gate inputs -----------------------------------------------------------------------------
     if with_f_b:
-        f_a = require_tensor(f_a, "f_a")
-        require_same_device(f_a, "f_a", device)
-        require_dtype(f_a, "f_a", ACT_DTYPES)
+        f_a = checked_tensor(f_a, "f_a", device, ACT_DTYPES)
         if f_a.dim() != 2 or int(f_a.shape[0]) != B or int(f_a.shape[1]) < 1:
             raise ValueError(f"f_a: expected shape [B, R] with B={B}, got {list(f_a.shape)}")
         require_unit_stride(f_a, "f_a")
         R = int(f_a.shape[1])
-        f_b_weight = require_tensor(f_b_weight, "f_b_weight")
-        require_same_device(f_b_weight, "f_b_weight", device)
-        require_dtype(f_b_weight, "f_b_weight", ACT_DTYPES)
+        f_b_weight = checked_tensor(f_b_weight, "f_b_weight", device, ACT_DTYPES)
         require_shape(f_b_weight, "f_b_weight", (H, K, R), "[H, K, R]")
         require_unit_stride(f_b_weight, "f_b_weight")
         require_non_overlapping(f_b_weight, "f_b_weight")
         a = None
     else:
-        a = require_tensor(a, "a")
-        require_same_device(a, "a", device)
-        require_dtype(a, "a", ACT_DTYPES)
+        a = checked_tensor(a, "a", device, ACT_DTYPES)
         require_shape(a, "a", (B, HK), "[B, H*K]")
         require_unit_stride(a, "a")
 
-    b = require_tensor(b, "b")
-    require_same_device(b, "b", device)
-    require_dtype(b, "b", ACT_DTYPES)
+    b = checked_tensor(b, "b", device, ACT_DTYPES)
     if b.dim() == 3 and int(b.shape[0]) == 1:
         b = b[0]
     require_shape(b, "b", (B, H), "[B, H] or [1, B, H]")
 
-    A_log = require_tensor(A_log, "A_log")
-    require_same_device(A_log, "A_log", device)
-    require_dtype(A_log, "A_log", (torch.float32,))
+    A_log = checked_tensor(A_log, "A_log", device, (torch.float32,))
     require_shape(A_log, "A_log", (H,), "[H]")
     require_unit_stride(A_log, "A_log")
 
-    dt_bias = require_tensor(dt_bias, "dt_bias")
-    require_same_device(dt_bias, "dt_bias", device)
-    require_dtype(dt_bias, "dt_bias", (torch.float32,))
+    dt_bias = checked_tensor(dt_bias, "dt_bias", device, (torch.float32,))
     require_shape(dt_bias, "dt_bias", (HK,), "[H*K]")
     require_unit_stride(dt_bias, "dt_bias")
 
@@ -243,14 +221,10 @@ def prepare(
         missing = "norm_weight" if norm_weight is None else "output_gate"
         raise ValueError(f"{missing}: output_gate and norm_weight go together (both for the gated norm, neither for raw o)")
     if output_gate is not None:
-        output_gate = require_tensor(output_gate, "output_gate")
-        require_same_device(output_gate, "output_gate", device)
-        require_dtype(output_gate, "output_gate", ACT_DTYPES)
+        output_gate = checked_tensor(output_gate, "output_gate", device, ACT_DTYPES)
         require_shape(output_gate, "output_gate", (B, H, V), "[B, H, V]")
         require_unit_stride(output_gate, "output_gate")
-        norm_weight = require_tensor(norm_weight, "norm_weight")
-        require_same_device(norm_weight, "norm_weight", device)
-        require_dtype(norm_weight, "norm_weight", (torch.bfloat16, torch.float32))
+        norm_weight = checked_tensor(norm_weight, "norm_weight", device, (torch.bfloat16, torch.float32))
         require_shape(norm_weight, "norm_weight", (V,), "[V]")
         require_unit_stride(norm_weight, "norm_weight")
 
@@ -265,9 +239,7 @@ def prepare(
     if out is None:
         out = torch.empty((B, H, V), dtype=x.dtype, device=device)
     else:
-        out = require_tensor(out, "out")
-        require_same_device(out, "out", device)
-        require_dtype(out, "out", (x.dtype,))
+        out = checked_tensor(out, "out", device, (x.dtype,))
         require_shape(out, "out", (B, H, V), "[B, H, V]")
         require_unit_stride(out, "out")
         require_non_overlapping(out, "out")

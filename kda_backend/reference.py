@@ -58,7 +58,7 @@ def gated_rmsnorm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
 
 def run_reference(p: KDAProblem, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Execute a validated problem row by row, updating the caches in place like the kernels."""
-    H, K, V, W = p.H, p.K, p.V, p.W
+    H, K = p.H, p.K
     f = compute_dtype
     A_log = p.A_log.to(f)
     dt_bias = p.dt_bias.to(f).view(H, K)

@@ -88,7 +88,6 @@ def test_out_filled_in_place_and_returned(impl, out_layout):
 
 def test_out_allocated_when_none(impl):
     case = make_case(B=3, **SMALL, device=DEVICE)
-    kw = dict(case.kwargs, out=None)
     ref = clone_caches(case)
     run_reference(ref.problem(), compute_dtype=torch.float64)
     out = kda_backend.kda_decode(**clone_caches(case).kwargs | {"out": None}, backend=impl)

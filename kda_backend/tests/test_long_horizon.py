@@ -24,11 +24,10 @@ import math
 import pytest
 import torch
 
-import kda_backend
 from kda_backend.reference import kda_gate, run_reference
 from kda_backend.testing import make_case, rel_err
 
-from .conftest import DEVICE, HAS_GPU
+from .conftest import DEVICE
 
 U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -9}
 

@@ -68,19 +68,6 @@ MUTATIONS = [
 ]
 
 
-@pytest.mark.parametrize("mid,mutate,exc,msg", MUTATIONS, ids=[m[0] for m in MUTATIONS])
-def test_bad_argument_raises_before_any_write(mid, mutate, exc, msg, impl):
-    case = make_case(B=3, H=2, K=32, W=4, device=DEVICE, seed=2)
-    snap = snapshot(case)
-    kw = dict(case.kwargs, backend=impl)
-    mutate(kw)
-    with pytest.raises(exc) as info:
-        kda_backend.kda_decode(**kw)
-    assert msg in str(info.value), str(info.value)
-    assert unchanged(case, snap)
-    assert torch.isnan(case.kwargs["out"]).all()
-
-
 F_B_MUTATIONS = [
     ("fa-batch", lambda kw: kw.update(f_a=kw["f_a"][:1]), ValueError, "f_a: expected shape [B, R]"),
     ("fbw-shape", lambda kw: kw.update(f_b_weight=kw["f_b_weight"][:, :, :-1]), ValueError, "f_b_weight: expected shape [H, K, R]"),
@@ -89,16 +76,21 @@ F_B_MUTATIONS = [
 ]
 
 
-@pytest.mark.parametrize("mid,mutate,exc,msg", F_B_MUTATIONS, ids=[m[0] for m in F_B_MUTATIONS])
-def test_bad_f_b_argument(mid, mutate, exc, msg, impl):
-    case = make_case(B=2, H=2, K=32, W=4, with_f_b=True, R=32, device=DEVICE, seed=2)
+ALL_MUTATIONS = [(False, *m) for m in MUTATIONS] + [(True, *m) for m in F_B_MUTATIONS]
+
+
+@pytest.mark.parametrize("with_f_b,mid,mutate,exc,msg", ALL_MUTATIONS, ids=[m[1] for m in ALL_MUTATIONS])
+def test_bad_argument_raises_before_any_write(with_f_b, mid, mutate, exc, msg, impl):
+    case = make_case(B=3, H=2, K=32, W=4, with_f_b=with_f_b, device=DEVICE, seed=2)
     snap = snapshot(case)
     kw = dict(case.kwargs, backend=impl)
     mutate(kw)
+    fn = kda_backend.kda_decode_with_f_b if with_f_b else kda_backend.kda_decode
     with pytest.raises(exc) as info:
-        kda_backend.kda_decode_with_f_b(**kw)
+        fn(**kw)
     assert msg in str(info.value), str(info.value)
     assert unchanged(case, snap)
+    assert torch.isnan(case.kwargs["out"]).all()
 
 
 def test_int32_index_space_overflow_rejected():
