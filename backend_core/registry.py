@@ -113,7 +113,9 @@ class OpRegistry:
                 return forced
         return backend
 
-    def select(self, call: Any, backend: str = "auto", device_type: str = "cpu") -> Implementation:
+    def select(self, call: Any, backend: str = "auto", device_type: str = "cpu", site_depth: int = 0) -> Implementation:
+        """Pick the implementation for ``call``. ``site_depth``: frames between the caller of
+        ``select`` and the user's call site (for the once-per-call-site log line)."""
         name = self.requested_backend(backend)
         if name != "auto":
             impl = self.get(name)
@@ -131,7 +133,7 @@ class OpRegistry:
                 continue
             ok, why = impl.can_serve(call)
             if ok:
-                self._log_choice(impl.name, skipped)
+                self._log_choice(impl.name, skipped, site_depth)
                 return impl
             skipped.append(f"{cand}: {why}")
         raise ValueError(
@@ -139,10 +141,9 @@ class OpRegistry:
             + "; ".join(skipped)
         )
 
-    def _log_choice(self, name: str, skipped: List[str]) -> None:
-        # "once per call site": the caller of the public op, two frames above select().
-        try:
-            frame = sys._getframe(3)
+    def _log_choice(self, name: str, skipped: List[str], site_depth: int) -> None:
+        try:  # frames: 0 this, 1 select, 2 select's caller, then site_depth more up to the call site
+            frame = sys._getframe(2 + site_depth)
             site = (frame.f_code.co_filename, frame.f_lineno)
         except ValueError:
             site = ("?", 0)

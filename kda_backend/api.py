@@ -50,7 +50,7 @@ REGISTRY.register(Implementation("flydsl", _flydsl.available, _flydsl.supports, 
 
 
 def _dispatch(p: KDAProblem, backend: str) -> torch.Tensor:
-    impl = REGISTRY.select(p, backend, device_type=p.device.type)
+    impl = REGISTRY.select(p, backend, device_type=p.device.type, site_depth=2)  # user -> kda_decode -> here
     return impl.run(p)
 
 

@@ -60,16 +60,18 @@ def test_env_var_forces_choice_for_auto_only(reg, monkeypatch):
 def test_choice_logged_once_per_call_site(reg, caplog):
     caplog.set_level(logging.INFO, logger="flydsl_backends")
 
-    def op():  # a public op calls select() one frame below
+    def op():  # a public op that calls select() through one helper
         return _inner()
 
     def _inner():
-        return reg.select(None, "auto", "cuda")
+        return reg.select(None, "auto", "cuda", site_depth=2)
 
     for _ in range(3):
-        op()
-    hits = [r for r in caplog.records if "chose 'fast'" in r.getMessage()]
-    assert len(hits) == 1
+        op()  # one call site, three calls
+    op()  # a second call site
+    hits = [r.getMessage() for r in caplog.records if "chose 'fast'" in r.getMessage()]
+    assert len(hits) == 2
+    assert all("test_registry.py" in h for h in hits)
 
 
 def test_availability_probe_exception_is_a_reason():

@@ -218,3 +218,14 @@ def test_many_v_blocks_last_program_protocol(monkeypatch, bv, stages):
     finally:
         monkeypatch.delenv("FLYDSL_BACKENDS_KDA_TRITON_BV")
         ktriton.launch_config.cache_clear()
+
+
+def test_auto_choice_logged_at_the_callers_line(caplog):
+    import logging
+
+    caplog.set_level(logging.INFO, logger="flydsl_backends")
+    kda_backend.REGISTRY.reset_cache()
+    case = make_case(B=2, **SMALL, device=DEVICE)
+    clone_caches(case).call("auto")
+    msgs = [r.getMessage() for r in caplog.records if "backend='auto' chose" in r.getMessage()]
+    assert msgs and "testing.py" in msgs[0]  # KDACase.call is the caller of kda_decode
