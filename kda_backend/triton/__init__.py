@@ -87,6 +87,7 @@ class _Workspace:
 
     def __init__(self):
         self._by_device = {}
+        self._retired = []  # outgrown buffers stay alive: a captured graph may still point at them
 
     def get(self, device: torch.device, pairs: int, V: int):
         ws = self._by_device.get(device)
@@ -95,6 +96,8 @@ class _Workspace:
                 raise ValueError(
                     "KDA Triton workspace: first use on this device is inside CUDA-graph capture; run one eager "
                     "decode step before capturing (frameworks' warm-up runs do)")
+            if ws is not None:
+                self._retired.append(ws)
             n = max(pairs, MAX_SPLIT_PAIRS)
             ws = (torch.zeros(n, dtype=torch.int32, device=device),
                   torch.empty(n * max(V, 128), dtype=torch.float32, device=device))
