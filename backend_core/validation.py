@@ -24,6 +24,7 @@ __all__ = [
     "require_unit_stride",
     "require_non_overlapping",
     "span_elements",
+    "require_int32_span",
     "require_float",
 ]
 
@@ -82,6 +83,13 @@ def span_elements(t: torch.Tensor) -> int:
     if t.numel() == 0:
         return 0
     return 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride()))
+
+
+def require_int32_span(t: torch.Tensor, name: str, what: str = "the tensor") -> None:
+    """Kernels address within ``t`` with 32-bit offsets: its span must fit in int32."""
+    n = span_elements(t)
+    if n > INT32_MAX:
+        raise ValueError(f"{name}: {what} spans {n} elements, past the int32 index space of the kernel's offsets")
 
 
 def require_non_overlapping(t: torch.Tensor, name: str, dims: Optional[Sequence[int]] = None) -> None:

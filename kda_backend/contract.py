@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 
 from backend_core.validation import (
-    INT32_MAX,
     checked_tensor,
     require_dtype,
     require_float,
@@ -22,7 +21,7 @@ from backend_core.validation import (
     require_shape,
     require_tensor,
     require_unit_stride,
-    span_elements,
+    require_int32_span,
 )
 
 __all__ = ["KDAProblem", "prepare", "SLOT_CHECK", "SLOT_CHECK_PADDING_SLOT", "STATE_DTYPES"]
@@ -174,8 +173,8 @@ def prepare(
         if int(conv_state.shape[0]) < 1:
             raise ValueError("conv_state: expected at least one slot, got 0")
         require_non_overlapping(conv_state, "conv_state")
-        if span_elements(conv_state[0]) > INT32_MAX:
-            raise ValueError(f"conv_state: one slot spans {span_elements(conv_state[0])} elements, past the int32 index space")
+        require_int32_span(conv_state[0], "conv_state", "one slot")
+        require_int32_span(conv_weight, "conv_weight")
         num_slots = min(slots, int(conv_state.shape[0]))
         if conv_bias is not None:
             conv_bias = checked_tensor(conv_bias, "conv_bias", device, (torch.float32,))
@@ -244,8 +243,13 @@ def prepare(
         require_unit_stride(out, "out")
         require_non_overlapping(out, "out")
 
-    if span_elements(state[0]) > INT32_MAX:
-        raise ValueError(f"state: one slot spans {span_elements(state[0])} elements, past the int32 index space")
+    # offsets inside one slot, one weight and one row are 32-bit in the kernels (rows and slots: 64-bit)
+    require_int32_span(state[0], "state", "one slot")
+    if f_b_weight is not None:
+        require_int32_span(f_b_weight, "f_b_weight")
+    for name, t in (("x", x), ("a", a), ("f_a", f_a), ("output_gate", output_gate), ("out", out)):
+        if t is not None and t.shape[0] > 0:
+            require_int32_span(t[0], name, "one row")
 
     problem = KDAProblem(
         B=B, H=H, K=K, V=V, W=W, x=x, conv_weight=conv_weight, conv_bias=conv_bias, conv_state=conv_state,

@@ -103,6 +103,26 @@ def test_int32_index_space_overflow_rejected():
         kda_backend.kda_decode(**kw, backend="torch")
 
 
+def test_int32_row_span_overflow_rejected():
+    case = make_case(B=2, H=1, K=32, W=4, slots=2, device="meta")
+    kw = dict(case.kwargs)
+    kw["output_gate"] = torch.empty_strided((2, 1, 32), (2**33, 2**32, 2**26), dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match="output_gate: expected unit stride"):
+        kda_backend.kda_decode(**kw, backend="torch")
+    kw["output_gate"] = torch.empty_strided((2, 2, 32), (2**33, 2**32, 1), dtype=torch.bfloat16, device="meta")
+    kw["state"] = torch.empty((2, 2, 32, 32), device="meta")
+    kw["x"] = torch.empty((2, 3 * 64), dtype=torch.bfloat16, device="meta")
+    kw["a"] = torch.empty((2, 64), dtype=torch.bfloat16, device="meta")
+    kw["b"] = torch.empty((2, 2), dtype=torch.bfloat16, device="meta")
+    kw["A_log"] = torch.empty(2, device="meta")
+    kw["dt_bias"] = torch.empty(64, device="meta")
+    kw["conv_weight"] = torch.empty((192, 4), device="meta")
+    kw["conv_state"] = torch.empty((2, 192, 3), dtype=torch.bfloat16, device="meta")
+    kw["out"] = None
+    with pytest.raises(ValueError, match="output_gate: one row spans .* past the int32 index space"):
+        kda_backend.kda_decode(**kw, backend="torch")
+
+
 # -- property-based: random malformed arguments -------------------------------------------------
 
 ARGS = ["x", "conv_weight", "conv_state", "a", "b", "A_log", "dt_bias", "state", "state_indices", "output_gate",
