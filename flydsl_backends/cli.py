@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-OPS = ("kda",)
+OPS = ("kda", "pa")
 
 
 def _prepare_cpu_interpreter() -> Optional[str]:
@@ -39,6 +39,10 @@ def _prepare_cpu_interpreter() -> Optional[str]:
 def _registry(op: str):
     if op == "kda":
         from kda_backend import REGISTRY
+
+        return REGISTRY
+    if op == "pa":
+        from pa_backend import REGISTRY
 
         return REGISTRY
     raise ValueError(f"op: expected one of {OPS}, got {op!r}")
@@ -87,20 +91,25 @@ def cmd_verify(args) -> int:
         skipped = [(n, why) for n, ok, why in reg.status() if not ok]
         for n, why in skipped:
             print(f"  {op}/{n}: not run ({why})")
+        t0 = time.time()
         if op == "kda":
             from kda_backend.verify import run_verify
 
-            t0 = time.time()
             rows = run_verify(impls, device, small, progress=lambda r: None)
-            print(f"\n{'op':<5} {'impl':<7} {'result':<6} {'out err':>9} {'state err':>9}  case")
-            for r in rows:
-                total += 1
-                failures += 0 if r["ok"] else 1
-                detail = r.get("error") or "".join(
-                    f" [{k} failed]" for k in ("padding_zero", "conv_exact", "untouched_ok") if r.get(k) is False)
-                print(f"{op:<5} {r['impl']:<7} {'PASS' if r['ok'] else 'FAIL':<6} "
-                      f"{r.get('out_err', float('nan')):>9.2e} {r.get('state_err', float('nan')):>9.2e}  {r['case']}{detail}")
-            print(f"({time.time() - t0:.1f} s)")
+        else:
+            from pa_backend.verify import run_verify
+
+            rows = run_verify(impls, device, small)
+        print(f"\n{'op':<5} {'impl':<7} {'result':<6} {'out err':>9} {'state err':>9}  case")
+        for r in rows:
+            total += 1
+            failures += 0 if r["ok"] else 1
+            detail = r.get("error") or "".join(
+                f" [{k} failed]" for k in ("padding_zero", "conv_exact", "untouched_ok") if r.get(k) is False)
+            state = f"{r['state_err']:>9.2e}" if "state_err" in r else f"{'-':>9}"
+            print(f"{op:<5} {r['impl']:<7} {'PASS' if r['ok'] else 'FAIL':<6} "
+                  f"{r.get('out_err', float('nan')):>9.2e} {state}  {r['case']}{detail}")
+        print(f"({time.time() - t0:.1f} s)")
     print(f"\n{total - failures} passed, {failures} failed")
     return 1 if failures else 0
 

@@ -5,6 +5,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from backend_core.testing import CORRUPTIONS, corrupt
+
 import kda_backend
 from kda_backend.testing import clone_caches, make_case, rel_err
 
@@ -133,38 +135,10 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64
 @st.composite
 def corruption(draw):
     name = draw(st.sampled_from(ARGS))
-    kind = draw(st.sampled_from(["dtype", "drop_dim", "add_dim", "grow", "shrink", "transpose", "none", "list", "scalar"]))
+    kind = draw(st.sampled_from(CORRUPTIONS))
     dtype = draw(st.sampled_from(DTYPES))
     dim = draw(st.integers(0, 3))
     return name, kind, dtype, dim
-
-
-def apply(kw, name, kind, dtype, dim):
-    t = kw.get(name)
-    if kind == "none":
-        kw[name] = None
-        return
-    if kind == "list":
-        kw[name] = [1, 2, 3]
-        return
-    if kind == "scalar":
-        kw[name] = 3.0
-        return
-    if t is None:
-        t = torch.zeros(3, device=DEVICE)
-    d = dim % max(t.dim(), 1)
-    if kind == "dtype":
-        kw[name] = t.to(dtype)
-    elif kind == "drop_dim":
-        kw[name] = t.select(d, 0) if t.dim() else t
-    elif kind == "add_dim":
-        kw[name] = t.unsqueeze(d)
-    elif kind == "grow" and t.dim():
-        kw[name] = torch.cat([t, t.narrow(d, 0, 1)], d)
-    elif kind == "shrink" and t.dim() and t.shape[d] > 1:
-        kw[name] = t.narrow(d, 0, t.shape[d] - 1)
-    elif kind == "transpose" and t.dim() >= 2:
-        kw[name] = t.transpose(d % (t.dim() - 1), -1)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -178,7 +152,7 @@ def test_property_malformed_arguments(c, seed, conv_layout, backend):
     twin = clone_caches(case)
     snap = snapshot(case)
     kw = dict(case.kwargs)
-    apply(kw, *c)
+    corrupt(kw, *c)
     try:
         out = kda_backend.kda_decode(**kw, backend=backend)
     except (ValueError, TypeError):
@@ -186,7 +160,7 @@ def test_property_malformed_arguments(c, seed, conv_layout, backend):
         return
     # accepted: then the result must equal the reference on the same (mutated) arguments
     kw2 = dict(twin.kwargs)
-    apply(kw2, *c)
+    corrupt(kw2, *c)
     ref = kda_backend.kda_decode(**kw2, backend="torch")
     assert rel_err(out.float(), ref.float()) < 1e-2, c
     for k in case.storage:

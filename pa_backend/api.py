@@ -1,0 +1,102 @@
+"""Public FP8 paged-attention ops: ``pa_decode``, ``write_kv``, ``pa_prefill`` (DESIGN §4).
+
+Implementations are chosen by ``backend_core.registry``; ``FLYDSL_BACKENDS_PA=torch|triton|flydsl``
+forces one when ``backend="auto"``. Status: the ``torch`` reference serves every call; the Triton
+and FlyDSL slots report "not implemented" until their kernels land.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from backend_core.registry import Implementation, OpRegistry
+
+from .contract import WriteProblem, prepare_attention, prepare_write
+from .reference import run_attention, run_write
+
+__all__ = ["pa_decode", "write_kv", "pa_prefill", "REGISTRY"]
+
+
+def _run_torch(p):
+    if isinstance(p, WriteProblem):
+        return run_write(p)
+    return run_attention(p)
+
+
+REGISTRY = OpRegistry(
+    "pa",
+    env_var="FLYDSL_BACKENDS_PA",
+    preference={"cuda": ("flydsl", "triton", "torch"), "cpu": ("torch", "triton")},
+)
+REGISTRY.register(Implementation("torch", lambda: (True, "always (reference: gather, dequantize, FP32 softmax)"),
+                                 lambda p: (True, "ok"), _run_torch, "reference"))
+REGISTRY.register(Implementation.unavailable("triton", "the Triton paged-attention kernels are not implemented yet"))
+REGISTRY.register(Implementation.unavailable("flydsl", "the FlyDSL paged-attention kernels are not implemented yet"))
+
+
+def _dispatch(p, backend: str):
+    return REGISTRY.select(p, backend, device_type=p.device.type, site_depth=2).run(p)
+
+
+def pa_decode(query, key_cache, value_cache, block_tables, context_lengths, key_scale, value_scale, *,
+              query_length: int = 1, softmax_scale: Optional[float] = None, sliding_window: int = 0, sinks=None,
+              num_partitions: Optional[int] = None, out: Optional[torch.Tensor] = None,
+              backend: str = "auto") -> torch.Tensor:
+    """Paged attention decode over an FP8 KV cache.
+
+    * ``query`` [num_seqs * query_length, Hq, D] bf16/fp16 (rows of sequence s are
+      ``s*query_length .. s*query_length + query_length - 1``); ``out`` the same shape and dtype,
+      contiguous (filled in place and returned; allocated when None).
+    * ``key_cache`` [num_blocks, Hkv, D/16, block_size, 16]; ``value_cache`` [num_blocks, Hkv, D,
+      block_size] or [num_blocks, Hkv, block_size/16, D, 16]; FP8 e4m3fn or e4m3fnuz; D in
+      {64, 128, 256}, block_size in {16, 64, 128}, Hq / Hkv in 1..16.
+    * ``key_scale`` / ``value_scale``: per-tensor (0-dim or [1] fp32) or per-token
+      [num_blocks, Hkv, block_size] fp32; a stored value reads as fp8 * scale.
+    * ``block_tables`` [num_seqs, max_blocks] int32; ``context_lengths`` [num_seqs] int32 (the new
+      tokens included; <= max_blocks * block_size). Table entries past a sequence's extent are never
+      read. Row i of a sequence attends tokens 0 .. context_length - query_length + i (causal among
+      the new tokens), only the last ``sliding_window`` of them when > 0; a row with no token to
+      attend (e.g. a padded sequence with context 0) gets zeros.
+    * ``sinks`` [Hq] fp32: adds exp(sinks[h]) to head h's softmax denominator.
+    * ``softmax_scale`` defaults to D**-0.5. ``num_partitions`` (split-K) is a kernel hint; None
+      lets the planner choose.
+    """
+    p = prepare_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                          context_lengths=context_lengths, key_scale=key_scale, value_scale=value_scale,
+                          query_length=query_length, softmax_scale=softmax_scale, sliding_window=sliding_window,
+                          sinks=sinks, num_partitions=num_partitions, out=out)
+    return _dispatch(p, backend)
+
+
+def pa_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lengths, key_scale, value_scale,
+               *, softmax_scale: Optional[float] = None, sliding_window: int = 0, sinks=None,
+               out: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
+    """Ragged paged attention (extend, chunked prefill, mixed batches) over the same FP8 cache.
+
+    Query rows of sequence s are ``query[query_start_loc[s]:query_start_loc[s+1]]`` (int32
+    [num_seqs + 1]); their K/V must already be in the cache (``write_kv``). Row i of a sequence with
+    ql rows attends tokens 0 .. context_lengths[s] - ql + i. Rows outside every sequence are zero.
+    Everything else is as in :func:`pa_decode`.
+    """
+    p = prepare_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                          context_lengths=context_lengths, key_scale=key_scale, value_scale=value_scale,
+                          query_start_loc=query_start_loc, softmax_scale=softmax_scale, sliding_window=sliding_window,
+                          sinks=sinks, out=out, prefill=True)
+    return _dispatch(p, backend)
+
+
+def write_kv(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale, *, backend: str = "auto") -> None:
+    """Quantize ``key``/``value`` [tokens, Hkv, D] (bf16/fp16) into the FP8 caches in place.
+
+    Token t goes to slot ``slot_mapping[t]`` = block * block_size + offset; a negative slot (-1,
+    padding) or one past the cache is skipped. Per-tensor scales: stores clamp(x / scale) in FP8.
+    Per-token scales ([num_blocks, Hkv, block_size]): the writer computes each (token, head)'s scale
+    amax(|x|) / fp8_max, stores it, and stores x / scale.
+    """
+    p = prepare_write(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
+                      key_scale=key_scale, value_scale=value_scale)
+    _dispatch(p, backend)
+
+

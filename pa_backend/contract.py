@@ -1,0 +1,223 @@
+"""The FP8 paged-attention contract (DESIGN §4): validation and the normalized problems.
+
+One KV layout everywhere: key_cache [num_blocks, Hkv, D/16, block_size, 16] (16 FP8 bytes per
+chunk), value_cache [num_blocks, Hkv, D, block_size] or [num_blocks, Hkv, block_size/16, D, 16].
+Validation reads no tensor data (no host sync); nothing is written before it passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from backend_core.validation import (
+    checked_tensor,
+    require_float,
+    require_non_overlapping,
+    require_shape,
+    require_tensor,
+    require_unit_stride,
+)
+
+from .fp8 import FP8_DTYPES
+
+__all__ = ["PAProblem", "WriteProblem", "prepare_attention", "prepare_write", "BLOCK_SIZES", "HEAD_DIMS"]
+
+ACT_DTYPES = (torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32,)
+SLOT_DTYPES = (torch.int32, torch.int64)
+BLOCK_SIZES = (16, 64, 128)
+HEAD_DIMS = (64, 128, 256)
+MAX_GQA = 16
+MAX_QUERY_LENGTH = 4
+
+
+@dataclass
+class KVCache:
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    key_scale: torch.Tensor
+    value_scale: torch.Tensor
+    num_blocks: int
+    Hkv: int
+    D: int
+    block_size: int
+
+    @property
+    def v_transposed(self) -> bool:
+        """True for the 5-D value layout [num_blocks, Hkv, block_size/16, D, 16]."""
+        return self.value_cache.dim() == 5
+
+    @property
+    def k_per_token(self) -> bool:
+        return self.key_scale.dim() == 3
+
+    @property
+    def v_per_token(self) -> bool:
+        return self.value_scale.dim() == 3
+
+
+@dataclass
+class PAProblem:
+    """A validated pa_decode / pa_prefill call. Decode is the ragged form with equal lengths."""
+
+    query: torch.Tensor  # [T, Hq, D]
+    cache: KVCache
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    context_lengths: torch.Tensor  # [num_seqs] int32
+    query_start_loc: Optional[torch.Tensor]  # [num_seqs + 1] int32 (prefill) or None (decode)
+    query_length: int  # decode: rows per sequence; prefill: 0
+    num_seqs: int
+    Hq: int
+    softmax_scale: float
+    sliding_window: int
+    sinks: Optional[torch.Tensor]  # [Hq] fp32
+    num_partitions: Optional[int]
+    out: torch.Tensor
+
+    @property
+    def device(self) -> torch.device:
+        return self.query.device
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_start_loc is None
+
+
+@dataclass
+class WriteProblem:
+    key: torch.Tensor  # [T, Hkv, D]
+    value: torch.Tensor
+    cache: KVCache
+    slot_mapping: torch.Tensor  # [T]
+
+    @property
+    def device(self) -> torch.device:
+        return self.key.device
+
+
+def _check_cache(key_cache, value_cache, key_scale, value_scale, device) -> KVCache:
+    key_cache = checked_tensor(key_cache, "key_cache", device, FP8_DTYPES)
+    if key_cache.dim() != 5 or int(key_cache.shape[4]) != 16:
+        raise ValueError(f"key_cache: expected shape [num_blocks, Hkv, D/16, block_size, 16], got {list(key_cache.shape)}")
+    NB, Hkv, D16, bs, _ = (int(s) for s in key_cache.shape)
+    D = 16 * D16
+    if D not in HEAD_DIMS:
+        raise ValueError(f"key_cache: head dim D = 16 * {D16} = {D} not in {HEAD_DIMS}")
+    if bs not in BLOCK_SIZES:
+        raise ValueError(f"key_cache: block_size {bs} not in {BLOCK_SIZES}")
+    if NB < 1 or Hkv < 1:
+        raise ValueError(f"key_cache: expected at least one block and one KV head, got {list(key_cache.shape)}")
+    require_unit_stride(key_cache, "key_cache")
+    require_non_overlapping(key_cache, "key_cache")
+
+    value_cache = checked_tensor(value_cache, "value_cache", device, (key_cache.dtype,))
+    if value_cache.dim() == 4:
+        require_shape(value_cache, "value_cache", (NB, Hkv, D, bs), "[num_blocks, Hkv, D, block_size]")
+    elif value_cache.dim() == 5:
+        require_shape(value_cache, "value_cache", (NB, Hkv, bs // 16, D, 16), "[num_blocks, Hkv, block_size/16, D, 16]")
+    else:
+        raise ValueError(
+            f"value_cache: expected [num_blocks, Hkv, D, block_size] or [num_blocks, Hkv, block_size/16, D, 16], "
+            f"got {list(value_cache.shape)}")
+    require_unit_stride(value_cache, "value_cache")
+    require_non_overlapping(value_cache, "value_cache")
+
+    scales = []
+    for name, sc in (("key_scale", key_scale), ("value_scale", value_scale)):
+        sc = checked_tensor(sc, name, device, (torch.float32,))
+        if sc.dim() == 0 or (sc.dim() == 1 and int(sc.shape[0]) == 1):
+            sc = sc.reshape(())
+        elif sc.dim() == 3:
+            require_shape(sc, name, (NB, Hkv, bs), "[num_blocks, Hkv, block_size] (per token)")
+            require_unit_stride(sc, name)
+        else:
+            raise ValueError(f"{name}: expected a per-tensor scale (0-dim or [1]) or per-token [num_blocks, Hkv, "
+                             f"block_size] = [{NB}, {Hkv}, {bs}], got shape {list(sc.shape)}")
+        scales.append(sc)
+    return KVCache(key_cache, value_cache, scales[0], scales[1], NB, Hkv, D, bs)
+
+
+def prepare_attention(*, query, key_cache, value_cache, block_tables, context_lengths, key_scale, value_scale,
+                      query_length=1, query_start_loc=None, softmax_scale=None, sliding_window=0, sinks=None,
+                      num_partitions=None, out=None, prefill: bool = False) -> PAProblem:
+    """Validate a pa_decode (``prefill=False``) or pa_prefill call. Nothing is written."""
+    device = require_tensor(query, "query").device
+    query = checked_tensor(query, "query", device, ACT_DTYPES)
+    cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device)
+    if query.dim() != 3:
+        raise ValueError(f"query: expected shape [tokens, Hq, D], got {list(query.shape)}")
+    T, Hq, D = (int(s) for s in query.shape)
+    if D != cache.D:
+        raise ValueError(f"query: head dim {D} does not match the cache's {cache.D}")
+    if Hq % cache.Hkv or not 1 <= Hq // cache.Hkv <= MAX_GQA:
+        raise ValueError(f"query: Hq={Hq} must be a multiple of Hkv={cache.Hkv} with a ratio of 1..{MAX_GQA}")
+    require_unit_stride(query, "query")
+
+    block_tables = checked_tensor(block_tables, "block_tables", device, INDEX_DTYPES)
+    if block_tables.dim() != 2 or int(block_tables.shape[1]) < 1:
+        raise ValueError(f"block_tables: expected shape [num_seqs, max_blocks], got {list(block_tables.shape)}")
+    require_unit_stride(block_tables, "block_tables")
+    N = int(block_tables.shape[0])
+    context_lengths = checked_tensor(context_lengths, "context_lengths", device, INDEX_DTYPES)
+    require_shape(context_lengths, "context_lengths", (N,), "[num_seqs]")
+
+    if prefill:
+        query_start_loc = checked_tensor(query_start_loc, "query_start_loc", device, INDEX_DTYPES)
+        require_shape(query_start_loc, "query_start_loc", (N + 1,), "[num_seqs + 1]")
+        query_length = 0
+    else:
+        if isinstance(query_length, bool) or not isinstance(query_length, int):
+            raise TypeError(f"query_length: expected an int, got {type(query_length).__name__}")
+        if not 1 <= query_length <= MAX_QUERY_LENGTH:
+            raise ValueError(f"query_length: expected 1..{MAX_QUERY_LENGTH}, got {query_length}")
+        if T != N * query_length:
+            raise ValueError(f"query: expected {N} sequences x query_length {query_length} = {N * query_length} rows, got {T}")
+        query_start_loc = None
+
+    softmax_scale = require_float(softmax_scale, "softmax_scale", positive=True, optional=True)
+    if softmax_scale is None:
+        softmax_scale = D ** -0.5
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
+        raise TypeError(f"sliding_window: expected an int (0 = off), got {type(sliding_window).__name__}")
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window: expected >= 0 (0 = off), got {sliding_window}")
+    if sinks is not None:
+        sinks = checked_tensor(sinks, "sinks", device, (torch.float32,))
+        require_shape(sinks, "sinks", (Hq,), "[Hq]")
+        require_unit_stride(sinks, "sinks")
+    if num_partitions is not None:
+        if isinstance(num_partitions, bool) or not isinstance(num_partitions, int) or num_partitions < 1:
+            raise ValueError(f"num_partitions: expected None or an int >= 1, got {num_partitions!r}")
+
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    else:
+        out = checked_tensor(out, "out", device, (query.dtype,))
+        require_shape(out, "out", tuple(query.shape), "the query's shape")
+        if not out.is_contiguous():
+            raise ValueError(f"out: expected a contiguous tensor, got strides {tuple(out.stride())}")
+    return PAProblem(query=query, cache=cache, block_tables=block_tables, context_lengths=context_lengths,
+                     query_start_loc=query_start_loc, query_length=query_length, num_seqs=N, Hq=Hq,
+                     softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
+                     num_partitions=num_partitions, out=out)
+
+
+def prepare_write(*, key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale) -> WriteProblem:
+    """Validate a write_kv call. Nothing is written."""
+    device = require_tensor(key, "key").device
+    key = checked_tensor(key, "key", device, ACT_DTYPES)
+    cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device)
+    if key.dim() != 3:
+        raise ValueError(f"key: expected shape [tokens, Hkv, D], got {list(key.shape)}")
+    T = int(key.shape[0])
+    require_shape(key, "key", (T, cache.Hkv, cache.D), "[tokens, Hkv, D]")
+    require_unit_stride(key, "key")
+    value = checked_tensor(value, "value", device, (key.dtype,))
+    require_shape(value, "value", (T, cache.Hkv, cache.D), "[tokens, Hkv, D]")
+    require_unit_stride(value, "value")
+    slot_mapping = checked_tensor(slot_mapping, "slot_mapping", device, SLOT_DTYPES)
+    require_shape(slot_mapping, "slot_mapping", (T,), "[tokens]")
+    return WriteProblem(key=key, value=value, cache=cache, slot_mapping=slot_mapping)

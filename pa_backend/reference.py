@@ -1,0 +1,120 @@
+"""Reference paged attention over the FP8 cache: gather pages, dequantize with the same scales,
+FP32 softmax. Readable loops over sequences; DESIGN §4 is the specification.
+
+* ``dequantize_tokens`` reads tokens 0..n-1 of one sequence through its block table.
+* ``run_attention`` executes a validated decode or prefill problem.
+* ``run_write`` quantizes K/V into the cache (x / scale, saturating; per-token scales computed).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .contract import KVCache, PAProblem, WriteProblem
+from .fp8 import fp8_max
+
+__all__ = ["dequantize_tokens", "run_attention", "run_write", "attend_rows"]
+
+
+def _token_positions(block_row: torch.Tensor, n: int, bs: int):
+    j = torch.arange(n, device=block_row.device)
+    return block_row[j // bs].long(), j % bs
+
+
+def dequantize_tokens(cache: KVCache, block_row: torch.Tensor, n: int, dtype=torch.float32):
+    """K, V of tokens 0..n-1 as [n, Hkv, D] in ``dtype``; only the first ceil(n/bs) table entries are read."""
+    if n == 0:
+        empty = torch.zeros(0, cache.Hkv, cache.D, dtype=dtype, device=block_row.device)
+        return empty, empty.clone()
+    blocks, offs = _token_positions(block_row, n, cache.block_size)
+    # key_cache[b, h, d // 16, t, d % 16] -> [n, Hkv, D]
+    k = cache.key_cache[blocks, :, :, offs, :].to(dtype).reshape(n, cache.Hkv, cache.D)
+    if cache.v_transposed:  # value_cache[b, h, t // 16, d, t % 16]
+        v = cache.value_cache[blocks, :, offs // 16, :, offs % 16].to(dtype)
+    else:  # value_cache[b, h, d, t]
+        v = cache.value_cache[blocks, :, :, offs].to(dtype)
+    ks = cache.key_scale.to(dtype)
+    vs = cache.value_scale.to(dtype)
+    if cache.k_per_token:
+        ks = cache.key_scale[blocks, :, offs].to(dtype)[:, :, None]
+    if cache.v_per_token:
+        vs = cache.value_scale[blocks, :, offs].to(dtype)[:, :, None]
+    return k * ks, v * vs
+
+
+def attend_rows(q, k, v, ctx: int, ql: int, *, softmax_scale: float, sliding_window: int, sinks, group: int):
+    """Causal attention of ql query rows [ql, Hq, D] (the last ql tokens of a ctx-token sequence)."""
+    out = torch.zeros_like(q)
+    for i in range(ql):
+        last = ctx - ql + i  # row i sees tokens 0..last
+        if last < 0:
+            continue  # no token to attend: zero output
+        first = max(0, last - sliding_window + 1) if sliding_window > 0 else 0
+        kk = k[first:last + 1].repeat_interleave(group, dim=1)  # [n, Hq, D]
+        vv = v[first:last + 1].repeat_interleave(group, dim=1)
+        logits = torch.einsum("hd,nhd->hn", q[i], kk) * softmax_scale  # [Hq, n]
+        m = logits.max(dim=-1, keepdim=True).values
+        if sinks is not None:
+            m = torch.maximum(m, sinks[:, None])
+        p = torch.exp(logits - m)
+        denom = p.sum(-1, keepdim=True)
+        if sinks is not None:
+            denom = denom + torch.exp(sinks[:, None] - m)
+        out[i] = torch.einsum("hn,nhd->hd", p / denom, vv)
+    return out
+
+
+def run_attention(p: PAProblem, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    f = compute_dtype
+    group = p.Hq // p.cache.Hkv
+    max_tokens = p.block_tables.shape[1] * p.cache.block_size
+    sinks = None if p.sinks is None else p.sinks.to(f)
+    for s in range(p.num_seqs):
+        ctx = int(p.context_lengths[s])
+        if p.is_decode:
+            r0, ql = s * p.query_length, p.query_length
+        else:
+            r0 = int(p.query_start_loc[s])
+            ql = int(p.query_start_loc[s + 1]) - r0
+        if ql <= 0:
+            continue
+        if not 0 <= ctx <= max_tokens:
+            raise ValueError(f"context_lengths: sequence {s} has {ctx} tokens; its block table row holds {max_tokens}")
+        k, v = dequantize_tokens(p.cache, p.block_tables[s], ctx, f)
+        o = attend_rows(p.query[r0:r0 + ql].to(f), k, v, ctx, ql, softmax_scale=p.softmax_scale,
+                        sliding_window=p.sliding_window, sinks=sinks, group=group)
+        p.out[r0:r0 + ql] = o.to(p.out.dtype)
+    if p.is_decode:
+        return p.out
+    # prefill rows outside [qsl[0], qsl[N]) belong to no sequence: zero
+    start, end = int(p.query_start_loc[0]), int(p.query_start_loc[p.num_seqs])
+    p.out[:start].zero_()
+    p.out[end:].zero_()
+    return p.out
+
+
+def run_write(p: WriteProblem) -> None:
+    c = p.cache
+    fmax = fp8_max(c.key_cache.dtype)
+    capacity = c.num_blocks * c.block_size
+    for t in range(p.key.shape[0]):
+        slot = int(p.slot_mapping[t])
+        if slot < 0 or slot >= capacity:  # -1: padding token; past the cache: skipped too
+            continue
+        b, off = slot // c.block_size, slot % c.block_size
+        for x, cache, scale, per_token, is_key in ((p.key[t], c.key_cache, c.key_scale, c.k_per_token, True),
+                                                   (p.value[t], c.value_cache, c.value_scale, c.v_per_token, False)):
+            xf = x.float()  # [Hkv, D]
+            if per_token:
+                sc = (xf.abs().amax(dim=-1) / fmax).clamp_min(torch.finfo(torch.float32).tiny)  # [Hkv]
+                scale[b, :, off] = sc
+                q = xf / sc[:, None]
+            else:
+                q = xf / scale.float()
+            q = q.clamp(-fmax, fmax).to(cache.dtype)
+            if is_key:
+                cache[b, :, :, off, :] = q.view(c.Hkv, c.D // 16, 16)
+            elif c.v_transposed:
+                cache[b, :, off // 16, :, off % 16] = q
+            else:
+                cache[b, :, :, off] = q

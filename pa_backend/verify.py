@@ -1,0 +1,61 @@
+"""``flydsl-backends verify`` for the paged-attention ops: every available implementation against the
+reference math run in float64 on the same cache (stale table entries and NaN pages included)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Sequence
+
+import torch
+
+from .reference import run_attention
+from .testing import make_pa_case
+
+__all__ = ["verify_grid", "run_verify", "OUT_TOL"]
+
+OUT_TOL = 8e-3  # one bf16 rounding of the output (the accuracy target is 3e-3 on real shapes)
+
+
+def verify_grid(small: bool) -> List[Dict[str, object]]:
+    if small:
+        return [
+            dict(context_lengths=[5, 33], Hq=4, Hkv=1),
+            dict(context_lengths=[20, 3], Hq=4, Hkv=4, v_layout="5d", scales="token"),
+            dict(context_lengths=[9, 40], query_length=3, sliding_window=7, Hq=8, Hkv=2),
+            dict(context_lengths=[18, 1], sinks=True, fp8_dtype=torch.float8_e4m3fnuz),
+            dict(context_lengths=[12, 30], query_lengths=[4, 1], scales="token"),
+        ]
+    grid = []
+    for ctx, ql in (([1, 97, 1027], 1), ([54, 8192], 2), ([300, 4000, 17], 4)):
+        for bs, v_layout, scales in ((16, "4d", "tensor"), (64, "5d", "token")):
+            grid.append(dict(context_lengths=ctx, query_length=ql, Hq=16, Hkv=2, D=128, block_size=bs,
+                             v_layout=v_layout, scales=scales))
+    grid.append(dict(context_lengths=[200, 900], Hq=8, Hkv=1, D=256, sliding_window=128, sinks=True))
+    grid.append(dict(context_lengths=[64, 700, 5], query_lengths=[64, 3, 5], Hq=8, Hkv=8, D=64, block_size=128))
+    return grid
+
+
+def run_verify(impls: Sequence[str], device: torch.device, small: bool) -> List[Dict[str, object]]:
+    rows = []
+    for seed, params in enumerate(verify_grid(small)):
+        case = make_pa_case(**params, device=device, seed=seed)
+        from .contract import prepare_attention
+
+        kw = dict(case.kwargs)
+        kw.pop("out")
+        ref_out = torch.empty(kw["query"].shape, dtype=torch.float64, device=device)
+        p = prepare_attention(**kw, prefill=case.prefill)
+        run_attention(dataclasses.replace(p, out=ref_out), compute_dtype=torch.float64)
+        for impl in impls:
+            res: Dict[str, object] = {"impl": impl, "case": case.desc}
+            try:
+                out = case.call(impl, out=torch.full_like(kw["query"], float("nan")))
+                finite = bool(torch.isfinite(out).all())
+                err = ((out.double() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)).item()
+                res.update(out_err=err, ok=finite and err <= OUT_TOL)
+                if not finite:
+                    res["error"] = "non-finite output"
+            except Exception as exc:
+                res.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+            rows.append(res)
+    return rows
