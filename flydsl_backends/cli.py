@@ -85,6 +85,7 @@ def cmd_verify(args) -> int:
         print(f"note: {note}")
     failures = 0
     total = 0
+    n_skipped = 0
     for op in OPS if args.op == "all" else (args.op,):
         reg = _registry(op)
         impls = [n for n, ok, _ in reg.status() if ok and (not args.backend or n in args.backend)]
@@ -102,6 +103,10 @@ def cmd_verify(args) -> int:
             rows = run_verify(impls, device, small)
         print(f"\n{'op':<5} {'impl':<7} {'result':<6} {'out err':>9} {'state err':>9}  case")
         for r in rows:
+            if r.get("skipped"):
+                n_skipped += 1
+                print(f"{op:<5} {r['impl']:<7} {'SKIP':<6} {'-':>9} {'-':>9}  {r['case']} ({r['skipped']})")
+                continue
             total += 1
             failures += 0 if r["ok"] else 1
             detail = r.get("error") or "".join(
@@ -110,7 +115,7 @@ def cmd_verify(args) -> int:
             print(f"{op:<5} {r['impl']:<7} {'PASS' if r['ok'] else 'FAIL':<6} "
                   f"{r.get('out_err', float('nan')):>9.2e} {state}  {r['case']}{detail}")
         print(f"({time.time() - t0:.1f} s)")
-    print(f"\n{total - failures} passed, {failures} failed")
+    print(f"\n{total - failures} passed, {failures} failed" + (f", {n_skipped} skipped" if n_skipped else ""))
     return 1 if failures else 0
 
 

@@ -1,8 +1,9 @@
 """Public FP8 paged-attention ops: ``pa_decode``, ``write_kv``, ``pa_prefill`` (DESIGN §4).
 
 Implementations are chosen by ``backend_core.registry``; ``FLYDSL_BACKENDS_PA=torch|triton|flydsl``
-forces one when ``backend="auto"``. Status: the ``torch`` reference serves every call; the Triton
-and FlyDSL slots report "not implemented" until their kernels land.
+forces one when ``backend="auto"``. Status: the ``torch`` reference serves every call; a Triton
+decode kernel exists (interpreter-tested, not yet run on a GPU, so ``auto`` does not pick it on a
+GPU); Triton write_kv / prefill and the FlyDSL slot are not implemented yet.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import torch
 
 from backend_core.registry import Implementation, OpRegistry
 
+from . import triton as _triton
 from .contract import WriteProblem, prepare_attention, prepare_write
 from .reference import run_attention, run_write
 
@@ -25,14 +27,16 @@ def _run_torch(p):
     return run_attention(p)
 
 
+# The Triton decode kernel has not run on a GPU yet: auto does not pick it there until it has.
 REGISTRY = OpRegistry(
     "pa",
     env_var="FLYDSL_BACKENDS_PA",
-    preference={"cuda": ("flydsl", "triton", "torch"), "cpu": ("torch", "triton")},
+    preference={"cuda": ("flydsl", "torch"), "cpu": ("torch", "triton")},
 )
 REGISTRY.register(Implementation("torch", lambda: (True, "always (reference: gather, dequantize, FP32 softmax)"),
                                  lambda p: (True, "ok"), _run_torch, "reference"))
-REGISTRY.register(Implementation.unavailable("triton", "the Triton paged-attention kernels are not implemented yet"))
+REGISTRY.register(Implementation("triton", _triton.available, _triton.supports, _triton.run,
+                                 "Triton decode kernel (split-K + reduce)"))
 REGISTRY.register(Implementation.unavailable("flydsl", "the FlyDSL paged-attention kernels are not implemented yet"))
 
 

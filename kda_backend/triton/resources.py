@@ -1,20 +1,15 @@
-"""Compile the Triton KDA kernel ahead of time for an NVIDIA target and read ptxas's resource report.
+"""Resource report of the Triton KDA kernel compiled ahead of time for sm_90 (no GPU needed).
 
-No GPU is needed: Triton compiles for ``GPUTarget("cuda", 90, 32)`` on any machine and the
-``ptxas`` it ships reports registers, spills and stack. The runtime's specialization is imitated
-(16-byte divisible pointers and strides, unit strides folded to constants) so the numbers match
-what the JIT builds on the device. Used by the CPU test that keeps shipped configurations free
-of spills.
+The runtime's specialization is imitated (16-byte divisible pointers and strides, unit strides
+folded to constants) so the numbers match what the JIT builds on the device.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
-import re
-import subprocess
-import tempfile
 from typing import Dict
+
+from backend_core.aot import ptxas_report as _ptxas_report
 
 __all__ = ["ptxas_report", "SHIPPED_CONFIGS"]
 
@@ -23,57 +18,27 @@ SHIPPED_CONFIGS = [(dt, fb, bv, 4) for dt in ("fp32", "bf16") for fb, bvs in ((F
                    for bv in bvs]
 
 UNIT_STRIDES = ("stride_cs_c", "stride_cw_w", "stride_b_h", "stride_idx")
+FP32_POINTERS = ("p_cw", "p_cb", "p_A_log", "p_dt_bias", "p_ows")
 
 
 def ptxas_report(state_dtype: str = "fp32", with_f_b: bool = False, BV: int = 128, num_warps: int = 4,
-                 K: int = 128, H: int = 12, W: int = 4, capability: int = 90) -> Dict[str, int]:
-    """{'registers', 'spill_stores', 'spill_loads', 'stack'} of one specialization (conv + norm on)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+                 K: int = 128, H: int = 12, W: int = 4) -> Dict[str, int]:
+    """Registers / spills / stack of one specialization (conv and norm stages on)."""
     from .kda_decode import kda_decode_kernel
 
-    names = list(inspect.signature(kda_decode_kernel.fn).parameters)
-    fp32_ptrs = {"p_cw", "p_cb", "p_A_log", "p_dt_bias", "p_ows"}
-    signature, attrs = {}, {}
-    for i, n in enumerate(names):
-        if n in UNIT_STRIDES or not (n.startswith("p_") or n.startswith("stride_") or n in
-                                     ("num_slots", "scale", "lower_bound", "norm_eps")):
-            signature[n] = "constexpr"
-            continue
+    types = {}
+    for n in inspect.signature(kda_decode_kernel.fn).parameters:
         if n == "p_state":
-            signature[n] = "*fp32" if state_dtype == "fp32" else "*bf16"
+            types[n] = "*fp32" if state_dtype == "fp32" else "*bf16"
         elif n in ("p_idx", "p_cnt"):
-            signature[n] = "*i32"
+            types[n] = "*i32"
         elif n.startswith("p_"):
-            signature[n] = "*fp32" if n in fp32_ptrs else "*bf16"
+            types[n] = "*fp32" if n in FP32_POINTERS else "*bf16"
         elif n in ("scale", "lower_bound", "norm_eps"):
-            signature[n] = "fp32"
-        else:
-            signature[n] = "i32"
-        if n.startswith("p_") or n.startswith("stride_"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
+            types[n] = "fp32"
+        elif n.startswith("stride_") or n == "num_slots":
+            types[n] = "i32"
     constexprs = dict(H=H, K=K, V=K, BV=BV, W=W, R=K, BR=K, RC=32, HAS_CONV=True, HAS_BIAS=False, HAS_FB=with_f_b,
                       HAS_NORM=True, USE_LOWER_BOUND=with_f_b, **{n: 1 for n in UNIT_STRIDES})
-    src = ASTSource(fn=kda_decode_kernel, signature=signature, constexprs=constexprs, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(compiled.asm["ptx"])
-    try:
-        arch = f"sm_{capability}a" if capability == 90 else f"sm_{capability}"
-        out = subprocess.run([ptxas, "-v", "--gpu-name", arch, f.name, "-o", os.devnull], capture_output=True,
-                             text=True, timeout=300)
-    finally:
-        os.unlink(f.name)
-    text = out.stderr + out.stdout
-    if out.returncode != 0:
-        raise RuntimeError(f"ptxas failed: {text[-2000:]}")
-
-    def grab(pattern: str) -> int:
-        m = re.search(pattern, text)
-        return int(m.group(1)) if m else 0
-
-    return {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
-            "spill_loads": grab(r"(\d+) bytes spill loads"), "stack": grab(r"(\d+) bytes stack frame")}
+    divisible = [n for n in types if n.startswith(("p_", "stride_"))]
+    return _ptxas_report(kda_decode_kernel, types, constexprs, divisible, num_warps)

@@ -1,0 +1,64 @@
+"""Ahead-of-time compilation of a Triton kernel for an NVIDIA target, without a GPU, and the
+resource report of the ptxas that the Triton wheel ships (registers, spills, stack).
+
+Used by CPU tests that keep shipped kernel configurations compiling and spill-free. The caller
+describes the specialization the runtime would build: argument types, constexprs, and which
+pointers/integers are 16-divisible (the JIT marks those itself at run time).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import subprocess
+import tempfile
+from typing import Dict, Iterable, Mapping
+
+__all__ = ["ptxas_report"]
+
+
+def ptxas_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, object],
+                 divisible: Iterable[str] = (), num_warps: int = 4, capability: int = 90) -> Dict[str, int]:
+    """Compile ``kernel`` (a ``triton.jit`` function) and return its ptxas resource numbers.
+
+    ``types``: Triton type strings ("*fp32", "i32", ...) of the runtime arguments; every other
+    parameter must be in ``constexprs``. ``divisible``: arguments to mark 16-divisible.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = list(inspect.signature(kernel.fn).parameters)
+    divisible = set(divisible)
+    signature, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in constexprs:
+            signature[n] = "constexpr"
+        elif n in types:
+            signature[n] = types[n]
+            if n in divisible:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            raise ValueError(f"ptxas_report: no type or constexpr value for argument {n!r}")
+    src = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs), attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        arch = f"sm_{capability}a" if capability == 90 else f"sm_{capability}"
+        out = subprocess.run([ptxas, "-v", "--gpu-name", arch, f.name, "-o", os.devnull], capture_output=True,
+                             text=True, timeout=300)
+    finally:
+        os.unlink(f.name)
+    text = out.stderr + out.stdout
+    if out.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {text[-2000:]}")
+
+    def grab(pattern: str) -> int:
+        m = re.search(pattern, text)
+        return int(m.group(1)) if m else 0
+
+    return {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
+            "spill_loads": grab(r"(\d+) bytes spill loads"), "stack": grab(r"(\d+) bytes stack frame")}

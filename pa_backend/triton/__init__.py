@@ -1,0 +1,111 @@
+"""Triton implementation of ``pa_decode`` (split-K partitions + reduce). ``write_kv`` and
+``pa_prefill`` have no Triton kernel yet: ``supports`` says so and ``auto`` uses the reference.
+
+Status: tested under TRITON_INTERPRET=1 and compiled for sm_90 on CPU; NOT yet run on a GPU, so
+``backend="auto"`` does not choose it on a GPU (pass ``backend="triton"`` to use it).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Tuple
+
+import torch
+
+from backend_core import platform
+from ..contract import PAProblem
+
+__all__ = ["available", "supports", "run", "plan_partitions"]
+
+
+def available() -> Tuple[bool, str]:
+    if not platform.triton_available():
+        return False, "triton is not installed (pip install 'flydsl-backends[triton]')"
+    if platform.has_gpu() or platform.triton_interpreter_enabled():
+        return True, "decode kernel (split-K + reduce); write_kv / prefill not yet"
+    return False, "no CUDA/ROCm GPU visible to torch (set TRITON_INTERPRET=1 to run the kernel on CPU tensors)"
+
+
+def supports(p) -> Tuple[bool, str]:
+    if not isinstance(p, PAProblem) or not p.is_decode:
+        return False, "only pa_decode has a Triton kernel so far"
+    if p.device.type == "cpu" and not platform.triton_interpreter_enabled():
+        return False, "CPU tensors need TRITON_INTERPRET=1"
+    if p.cache.key_cache.dtype != torch.float8_e4m3fn and not (p.device.type == "cuda" and platform.is_hip()):
+        return False, "float8_e4m3fnuz caches need an AMD GPU (the CPU interpreter and NVIDIA have no fnuz)"
+    return True, "ok"
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_partitions(num_seqs: int, Hkv: int, max_tokens: int, block_size: int, sms: int,
+                    requested: int = 0) -> Tuple[int, int]:
+    """(P partitions, NBP blocks per partition) from shapes only: graph-stable, no data read.
+
+    Aim for num_seqs * Hkv * P >= 2 programs per SM with >= 256 tokens per partition; NBP is
+    rounded up to a power of two (it is a compile-time loop count, so this bounds the number of
+    specializations). ``requested`` (num_partitions) replaces the target count.
+    """
+    blocks = max(1, -(-max_tokens // block_size))
+    if requested:
+        target = requested
+    else:
+        target = -(-2 * max(sms, 1) // max(num_seqs * Hkv, 1))
+        target = min(target, max(1, -(-max_tokens // 256)))
+    target = max(1, min(target, blocks))
+    nbp = 1 << (-(-blocks // target) - 1).bit_length()
+    return -(-blocks // nbp), nbp
+
+
+def decode_tiling(D: int, block_size: int, BM: int) -> Tuple[int, int]:
+    """(BT tokens per tile, warps) of the partition kernel. The live tiles (K or V [BT, D], acc
+    [BM, D], S [BM, BT]) must fit a thread's registers: the sm_90 resource test checks every
+    shipped shape for spills."""
+    bt = min(block_size, 64 if D <= 128 else 32)
+    live = bt * D + BM * D + BM * bt
+    return bt, 4 if live <= 12288 else 8
+
+
+def reduce_warps(D: int, BM: int) -> int:
+    return 4 if BM * D <= 8192 else 8
+
+
+def _dot_dtype():
+    import triton.language as tl
+
+    return tl.float16 if platform.triton_interpreter_enabled() else tl.bfloat16
+
+
+def run(p: PAProblem) -> torch.Tensor:
+    from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel  # imports triton
+
+    c = p.cache
+    N, G, QL, D = p.num_seqs, p.Hq // c.Hkv, p.query_length, c.D
+    if N == 0:
+        return p.out
+    BM = max(16, 1 << (G * QL - 1).bit_length())
+    sms = platform.device_info(p.device).multiprocessors if p.device.type == "cuda" else 132
+    bt, warps = decode_tiling(D, c.block_size, BM)
+    P, nbp = plan_partitions(N, c.Hkv, int(p.block_tables.shape[1]) * c.block_size, c.block_size, sms,
+                             p.num_partitions or 0)
+    ws_m = torch.empty((N, c.Hkv, P, BM), dtype=torch.float32, device=p.device)
+    ws_l = torch.empty_like(ws_m)
+    ws_acc = torch.empty((N, c.Hkv, P, BM, D), dtype=torch.float32, device=p.device)
+    kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
+    pa_decode_partition_kernel[(N, c.Hkv, P)](
+        p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, ws_m, ws_l, ws_acc,
+        p.softmax_scale, p.sliding_window,
+        p.query.stride(0), p.query.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
+        vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
+        ks.stride(0) if c.k_per_token else 0, ks.stride(1) if c.k_per_token else 0,
+        vs.stride(0) if c.v_per_token else 0, vs.stride(1) if c.v_per_token else 0,
+        p.block_tables.stride(0),
+        HKV=c.Hkv, G=G, QL=QL, BM=BM, D=D, BS=c.block_size, NBP=nbp, BT=bt, DOT_DTYPE=_dot_dtype(), V5D=c.v_transposed,
+        K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, num_warps=warps,
+    )
+    pa_decode_reduce_kernel[(N, c.Hkv)](
+        ws_m, ws_l, ws_acc, p.sinks if p.sinks is not None else ws_m, p.out,
+        p.out.stride(0), p.out.stride(1),
+        HKV=c.Hkv, G=G, QL=QL, BM=BM, D=D, P=P, HAS_SINKS=p.sinks is not None, num_warps=reduce_warps(D, BM),
+    )
+    return p.out

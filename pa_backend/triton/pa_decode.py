@@ -1,0 +1,150 @@
+# FP8 paged-attention decode, Triton: split-K over the context, then a small reduce.
+#
+# Design
+# ------
+# Partition kernel, grid (num_seqs, Hkv, P). Program (s, h, p) owns KV head h of sequence s and the
+# token range [p*PT, (p+1)*PT) (PT = NBP blocks), clipped to the context. P and NBP are
+# compile-time constants chosen from shapes only (the table width), so a captured graph replays
+# with any context lengths. The M
+# dimension of its dots is the GQA group times the query rows: row m = i*G + g is query row i of
+# the sequence for query head h*G + g (M = G*QL padded to BM >= 16), so one KV read serves every
+# query head that shares it. Per cache block it reads K as a [BS, D] tile straight from the
+# x-packed layout (16 FP8 bytes per (d//16, token) chunk), widens FP8 -> BF16 in registers (exact),
+# forms S = Q K^T on the tensor cores in FP32, applies the per-token K scale (or the per-tensor one)
+# and the causal / sliding-window mask, updates an online softmax (m, l, acc [BM, D] FP32 in
+# registers), and multiplies P (scaled by the V scale, rounded to BF16) with the V tile read from
+# either V layout. The query is never rounded to FP8.
+# Table entries are read only for blocks that hold tokens of the partition, so stale ids past a
+# sequence's extent are never dereferenced; masked tokens never contribute, so NaN bytes in unused
+# slots of a live page are selected away by `where` before any arithmetic that could spread them.
+#
+# Reduce kernel, grid (num_seqs, Hkv): combines the P partial (m, l, acc) with the softmax rescale,
+# adds exp(sink - m) to the denominator when sinks are given, and writes the BM valid rows (zero
+# when no token was attended).
+#
+# DOT_DTYPE is bfloat16 on GPUs; Triton 3.6's CPU interpreter multiplies bfloat16 dot operands as
+# raw bit patterns, so under TRITON_INTERPRET=1 the wrapper passes float16 instead (exact for FP8
+# values; the query and P are in range).
+#
+# Offsets: block ids and row offsets are int64 (caches > 2 GiB); offsets inside one block are int32.
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def pa_decode_partition_kernel(
+    p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_ws_m, p_ws_l, p_ws_acc,
+    softmax_scale, sliding_window,
+    stride_q_t, stride_q_h,
+    stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
+    stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
+    stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
+    stride_bt_s,
+    HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    NBP: tl.constexpr, BT: tl.constexpr, DOT_DTYPE: tl.constexpr, V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr,
+):
+    i_s = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    i_p = tl.program_id(2)
+    P = tl.num_programs(2)
+    o_m = tl.arange(0, BM)
+    o_d = tl.arange(0, D)
+    o_t = tl.arange(0, BT)
+    row = o_m // G  # query row within the sequence
+    grp = o_m % G
+    m_valid = o_m < G * QL
+
+    ctx = tl.load(p_cl + i_s)
+    p_qrow = p_q + (i_s * QL + row)[:, None] * stride_q_t + (i_h * G + grp)[:, None] * stride_q_h + o_d[None, :]
+    b_q = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(DOT_DTYPE)
+    last = ctx - QL + row  # row sees tokens 0..last
+    first = tl.where(sliding_window > 0, last - sliding_window + 1, 0)
+
+    start = i_p * (NBP * BS)
+    end = tl.minimum(start + NBP * BS, ctx)
+    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    b_acc = tl.zeros([BM, D], dtype=tl.float32)
+    if not K_PER_TOKEN:
+        k_scale = tl.load(p_ks)
+    if not V_PER_TOKEN:
+        v_scale = tl.load(p_vs)
+    # Token tiles of BT <= BS tokens (a 128-token block is read in sub-tiles so the tiles fit in
+    # registers). A constexpr trip count (NBP blocks per partition; the planner keeps it a power
+    # of two): tiles past the context are masked, so their table entries are never dereferenced.
+    for jt in tl.range(0, NBP * (BS // BT)):
+        tile_start = start + jt * BT
+        has = tile_start < end
+        b = tl.load(p_bt + i_s * stride_bt_s + tile_start // BS, mask=has, other=0).to(tl.int64)
+        t_in = tile_start % BS + o_t  # offsets inside the block
+        tok = tile_start + o_t
+        # K tile [BT, D] from key_cache[b, h, d // 16, t, d % 16]
+        o_k_tile = (o_d // 16)[None, :] * stride_kc_c + t_in[:, None] * stride_kc_t + (o_d % 16)[None, :]
+        if V5D:  # value_cache[b, h, t // 16, d, t % 16]
+            o_v_tile = (t_in // 16)[:, None] * stride_vc_2 + o_d[None, :] * stride_vc_3 + (t_in % 16)[:, None]
+        else:  # value_cache[b, h, d, t]
+            o_v_tile = o_d[None, :] * stride_vc_2 + t_in[:, None] * stride_vc_3
+        b_k = tl.load(p_kc + b * stride_kc_b + i_h * stride_kc_h + o_k_tile, mask=has, other=0.0).to(DOT_DTYPE)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * softmax_scale
+        if K_PER_TOKEN:
+            b_s = b_s * tl.load(p_ks + b * stride_ks_b + i_h * stride_ks_h + t_in, mask=has, other=0.0)[None, :]
+        else:
+            b_s = b_s * k_scale
+        allowed = (tok[None, :] <= last[:, None]) & (tok[None, :] >= first[:, None]) & (tok < end)[None, :] \
+            & m_valid[:, None]
+        b_s = tl.where(allowed, b_s, float("-inf"))
+        m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        b_p = tl.exp(b_s - m_base[:, None])
+        alpha = tl.exp(b_m - m_base)
+        b_l = b_l * alpha + tl.sum(b_p, 1)
+        b_v = tl.load(p_vc + b * stride_vc_b + i_h * stride_vc_h + o_v_tile, mask=has, other=0.0)
+        b_v = tl.where(tok[:, None] < end, b_v.to(tl.float32), 0.0).to(DOT_DTYPE)  # NaN bytes past the context
+        if V_PER_TOKEN:
+            b_pv = b_p * tl.load(p_vs + b * stride_vs_b + i_h * stride_vs_h + t_in, mask=has & (tok < end),
+                                 other=0.0)[None, :]
+        else:
+            b_pv = b_p * v_scale
+        b_acc = b_acc * alpha[:, None] + tl.dot(b_pv.to(DOT_DTYPE), b_v)
+        b_m = m_new
+    ws = ((i_s * HKV + i_h) * P + i_p) * BM
+    tl.store(p_ws_m + ws + o_m, b_m)
+    tl.store(p_ws_l + ws + o_m, b_l)
+    tl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], b_acc)
+
+
+@triton.jit
+def pa_decode_reduce_kernel(
+    p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out,
+    stride_o_t, stride_o_h,
+    HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    i_s = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    o_m = tl.arange(0, BM)
+    o_d = tl.arange(0, D)
+    row = o_m // G
+    grp = o_m % G
+    m_valid = o_m < G * QL
+    base = (i_s * HKV + i_h) * P * BM
+    m_all = tl.full([BM], float("-inf"), dtype=tl.float32)
+    for p in tl.range(0, P):
+        m_all = tl.maximum(m_all, tl.load(p_ws_m + base + p * BM + o_m))
+    if HAS_SINKS:
+        b_sink = tl.load(p_sinks + i_h * G + grp)
+        m_all = tl.maximum(m_all, b_sink)
+    m_base = tl.where(m_all == float("-inf"), 0.0, m_all)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    b_acc = tl.zeros([BM, D], dtype=tl.float32)
+    for p in tl.range(0, P):
+        w = tl.exp(tl.load(p_ws_m + base + p * BM + o_m) - m_base)
+        b_l += tl.load(p_ws_l + base + p * BM + o_m) * w
+        b_acc += tl.load(p_ws_acc + (base + p * BM + o_m)[:, None] * D + o_d[None, :]) * w[:, None]
+    attended = b_l > 0
+    if HAS_SINKS:
+        b_l += tl.exp(b_sink - m_base)
+    b_o = tl.where(attended[:, None], b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None], 0.0)
+    p_o = p_out + (i_s * QL + row)[:, None] * stride_o_t + (i_h * G + grp)[:, None] * stride_o_h + o_d[None, :]
+    tl.store(p_o, b_o.to(p_out.dtype.element_ty), mask=m_valid[:, None])

@@ -1,0 +1,51 @@
+"""Resource report of the Triton paged-attention decode kernels compiled for sm_90 (no GPU)."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Dict
+
+from backend_core.aot import ptxas_report as _ptxas_report
+
+__all__ = ["ptxas_report", "SHIPPED_CONFIGS"]
+
+# (D, block_size, G * query_length rows, V 5-D, per-token scales) covering the issue's shapes
+SHIPPED_CONFIGS = [(D, bs, m, v5, pt) for D in (64, 128, 256) for bs in (16, 64, 128) for m in (16, 64)
+                   for v5, pt in ((False, False), (True, True))]
+
+
+def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = False, per_token: bool = False,
+                 NBP: int = 8, kernel: str = "partition") -> Dict[str, int]:
+    import triton.language as tl
+
+    from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel
+
+    fn = pa_decode_partition_kernel if kernel == "partition" else pa_decode_reduce_kernel
+    types = {}
+    for n in inspect.signature(fn.fn).parameters:
+        if n in ("p_kc", "p_vc"):
+            types[n] = "*fp8e4nv"
+        elif n in ("p_bt", "p_cl"):
+            types[n] = "*i32"
+        elif n in ("p_q", "p_out"):
+            types[n] = "*bf16"
+        elif n.startswith("p_"):
+            types[n] = "*fp32"
+        elif n == "softmax_scale":
+            types[n] = "fp32"
+        elif n.startswith("stride_") or n == "sliding_window":
+            types[n] = "i32"
+    BM = M
+    if kernel == "partition":
+        from . import decode_tiling
+
+        bt, warps = decode_tiling(D, block_size, BM)
+        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, BS=block_size, NBP=NBP, BT=bt, DOT_DTYPE=tl.bfloat16, V5D=v5d,
+                          K_PER_TOKEN=per_token, V_PER_TOKEN=per_token)
+    else:
+        from . import reduce_warps
+
+        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, P=8, HAS_SINKS=True)
+        warps = reduce_warps(D, BM)
+    divisible = [n for n in types if n.startswith(("p_", "stride_"))]
+    return _ptxas_report(fn, types, constexprs, divisible, warps)
