@@ -69,8 +69,34 @@ def test_planner_is_shape_only_and_bounded():
     assert plan_partitions(4, 1, 4096, 16, 132, requested=4)[0] == 4
 
 
-def test_prefill_and_write_fall_back_to_the_reference():
+def test_prefill_falls_back_to_the_reference():
     case = make_pa_case([8, 3], query_lengths=[2, 3], device=DEVICE)
-    with pytest.raises(ValueError, match="only pa_decode has a Triton kernel"):
+    with pytest.raises(ValueError, match="pa_prefill has no Triton kernel yet"):
         case.call("triton")
     case.call("auto")  # the reference serves it
+
+
+@pytest.mark.parametrize("scales", ["tensor", "token"])
+@pytest.mark.parametrize("v_layout", ["4d", "5d"])
+@pytest.mark.parametrize("D,bs", [(64, 16), (128, 64)])
+def test_write_kv_bitwise_equal_to_reference(scales, v_layout, D, bs):
+    """Same bytes and scales as the reference writer; slot -1 and a slot past the cache skipped."""
+    from pa_backend import write_kv
+
+    a, b = (make_pa_case([0], spare_blocks=5, scales=scales, v_layout=v_layout, D=D, block_size=bs, Hkv=2,
+                         device=DEVICE) for _ in range(2))
+    g = torch.Generator().manual_seed(1)
+    T = 7
+    key = (torch.randn(T, 2, D, generator=g) * 4).bfloat16().to(DEVICE)
+    value = (torch.randn(T, 2, D, generator=g) * 3).bfloat16().to(DEVICE)
+    key[3] *= 1e4  # saturates under a per-tensor scale
+    cap = a.kwargs["key_cache"].shape[0] * bs
+    slots = torch.tensor([0, -1, bs + 3, 2 * bs - 1, 4 * bs + 5, cap, 3 * bs], device=DEVICE)
+    for case, backend in ((a, "torch"), (b, "triton")):
+        kw = case.kwargs
+        write_kv(key, value, kw["key_cache"], kw["value_cache"], slots, kw["key_scale"], kw["value_scale"],
+                 backend=backend)
+    for name in ("key_cache", "value_cache"):
+        assert torch.equal(a.kwargs[name].view(torch.uint8), b.kwargs[name].view(torch.uint8)), name
+    for name in ("key_scale", "value_scale"):
+        assert torch.equal(a.kwargs[name].nan_to_num(7.0), b.kwargs[name].nan_to_num(7.0)), name

@@ -1,4 +1,4 @@
-"""The Triton paged-attention decode kernels compile for sm_90 (no GPU needed) without spills."""
+"""The Triton paged-attention kernels (decode partition + reduce, write_kv) compile for sm_90 (no GPU needed) without spills."""
 
 import json
 import os
@@ -16,6 +16,7 @@ import json
 from pa_backend.triton.resources import SHIPPED_CONFIGS, ptxas_report
 rows = [[list(c), ptxas_report(*c)] for c in SHIPPED_CONFIGS]
 rows.append([["reduce"], ptxas_report(D=256, M=64, kernel="reduce")])
+rows += [[["write", D, v5], ptxas_report(D=D, v5d=v5, per_token=v5, kernel="write")] for D in (64, 256) for v5 in (0, 1)]
 print(json.dumps(rows))
 """
 

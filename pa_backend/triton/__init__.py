@@ -1,5 +1,5 @@
-"""Triton implementation of ``pa_decode`` (split-K partitions + reduce). ``write_kv`` and
-``pa_prefill`` have no Triton kernel yet: ``supports`` says so and ``auto`` uses the reference.
+"""Triton implementation of ``pa_decode`` (split-K partitions + reduce) and ``write_kv``.
+``pa_prefill`` has no Triton kernel yet: ``supports`` says so and ``auto`` uses the reference.
 
 Status: tested under TRITON_INTERPRET=1 and compiled for sm_90 on CPU; NOT yet run on a GPU, so
 ``backend="auto"`` does not choose it on a GPU (pass ``backend="triton"`` to use it).
@@ -13,7 +13,8 @@ from typing import Tuple
 import torch
 
 from backend_core import platform
-from ..contract import PAProblem
+from ..contract import PAProblem, WriteProblem
+from ..fp8 import fp8_max
 
 __all__ = ["available", "supports", "run", "plan_partitions"]
 
@@ -22,13 +23,13 @@ def available() -> Tuple[bool, str]:
     if not platform.triton_available():
         return False, "triton is not installed (pip install 'flydsl-backends[triton]')"
     if platform.has_gpu() or platform.triton_interpreter_enabled():
-        return True, "decode kernel (split-K + reduce); write_kv / prefill not yet"
+        return True, "decode (split-K + reduce) and write_kv kernels; prefill not yet"
     return False, "no CUDA/ROCm GPU visible to torch (set TRITON_INTERPRET=1 to run the kernel on CPU tensors)"
 
 
 def supports(p) -> Tuple[bool, str]:
-    if not isinstance(p, PAProblem) or not p.is_decode:
-        return False, "only pa_decode has a Triton kernel so far"
+    if isinstance(p, PAProblem) and not p.is_decode:
+        return False, "pa_prefill has no Triton kernel yet"
     if p.device.type == "cpu" and not platform.triton_interpreter_enabled():
         return False, "CPU tensors need TRITON_INTERPRET=1"
     if p.cache.key_cache.dtype != torch.float8_e4m3fn and not (p.device.type == "cuda" and platform.is_hip()):
@@ -75,7 +76,34 @@ def _dot_dtype():
     return tl.float16 if platform.triton_interpreter_enabled() else tl.bfloat16
 
 
-def run(p: PAProblem) -> torch.Tensor:
+def run(p):
+    if isinstance(p, WriteProblem):
+        return _run_write(p)
+    return _run_decode(p)
+
+
+def _run_write(p: WriteProblem) -> None:
+    from .write_kv import write_kv_kernel  # imports triton
+
+    c = p.cache
+    T = int(p.key.shape[0])
+    if T == 0:
+        return None
+    kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
+    write_kv_kernel[(T, c.Hkv)](
+        p.key, p.value, kc, vc, ks, vs, p.slot_mapping, c.num_blocks * c.block_size,
+        p.key.stride(0), p.key.stride(1), p.value.stride(0), p.value.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
+        vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
+        ks.stride(0) if c.k_per_token else 0, ks.stride(1) if c.k_per_token else 0,
+        vs.stride(0) if c.v_per_token else 0, vs.stride(1) if c.v_per_token else 0,
+        D=c.D, BS=c.block_size, FMAX=fp8_max(kc.dtype), MIN_EXP=-7 if kc.dtype == torch.float8_e4m3fnuz else -6,
+        V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, num_warps=1 if c.D <= 128 else 2,
+    )
+    return None
+
+
+def _run_decode(p: PAProblem) -> torch.Tensor:
     from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel  # imports triton
 
     c = p.cache

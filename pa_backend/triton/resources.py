@@ -19,21 +19,22 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
     import triton.language as tl
 
     from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel
+    from .write_kv import write_kv_kernel
 
-    fn = pa_decode_partition_kernel if kernel == "partition" else pa_decode_reduce_kernel
+    fn = {"partition": pa_decode_partition_kernel, "reduce": pa_decode_reduce_kernel, "write": write_kv_kernel}[kernel]
     types = {}
     for n in inspect.signature(fn.fn).parameters:
         if n in ("p_kc", "p_vc"):
             types[n] = "*fp8e4nv"
-        elif n in ("p_bt", "p_cl"):
+        elif n in ("p_bt", "p_cl", "p_slots"):
             types[n] = "*i32"
-        elif n in ("p_q", "p_out"):
+        elif n in ("p_q", "p_out", "p_k", "p_v"):
             types[n] = "*bf16"
         elif n.startswith("p_"):
             types[n] = "*fp32"
         elif n == "softmax_scale":
             types[n] = "fp32"
-        elif n.startswith("stride_") or n == "sliding_window":
+        elif n.startswith("stride_") or n in ("sliding_window", "capacity"):
             types[n] = "i32"
     BM = M
     if kernel == "partition":
@@ -42,6 +43,10 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
         bt, warps = decode_tiling(D, block_size, BM)
         constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, BS=block_size, NBP=NBP, BT=bt, DOT_DTYPE=tl.bfloat16, V5D=v5d,
                           K_PER_TOKEN=per_token, V_PER_TOKEN=per_token)
+    elif kernel == "write":
+        constexprs = dict(D=D, BS=block_size, FMAX=448.0, MIN_EXP=-6, V5D=v5d, K_PER_TOKEN=per_token,
+                          V_PER_TOKEN=per_token)
+        warps = 1 if D <= 128 else 2
     else:
         from . import reduce_warps
 
