@@ -100,3 +100,18 @@ def test_write_kv_bitwise_equal_to_reference(scales, v_layout, D, bs):
         assert torch.equal(a.kwargs[name].view(torch.uint8), b.kwargs[name].view(torch.uint8)), name
     for name in ("key_scale", "value_scale"):
         assert torch.equal(a.kwargs[name].nan_to_num(7.0), b.kwargs[name].nan_to_num(7.0)), name
+
+
+def test_context_past_the_table_reads_nothing_beyond_it():
+    """A context longer than its table row is clamped to the row: the entries after it (here a
+    poisoned next row pointing at a NaN page) are never read."""
+    case = make_pa_case([20, 48], extra_table=0, spare_blocks=2, device=DEVICE)  # 3 blocks: one partition of 4
+    kw = case.kwargs
+    nb = kw["key_cache"].shape[0]
+    nan_page = sorted(set(range(nb)) - set(case.used_blocks))[0]
+    big = torch.full((3, kw["block_tables"].shape[1]), nan_page, dtype=torch.int32, device=DEVICE)
+    big[:2] = kw["block_tables"]
+    good = case.call("triton").clone()
+    out = case.call("triton", block_tables=big[:2], out=torch.empty_like(good),
+                    context_lengths=torch.tensor([20, 10_000], dtype=torch.int32, device=DEVICE))
+    assert torch.equal(out, good)

@@ -113,15 +113,15 @@ def _run_decode(p: PAProblem) -> torch.Tensor:
     BM = max(16, 1 << (G * QL - 1).bit_length())
     sms = platform.device_info(p.device).multiprocessors if p.device.type == "cuda" else 132
     bt, warps = decode_tiling(D, c.block_size, BM)
-    P, nbp = plan_partitions(N, c.Hkv, int(p.block_tables.shape[1]) * c.block_size, c.block_size, sms,
-                             p.num_partitions or 0)
+    max_tokens = int(p.block_tables.shape[1]) * c.block_size
+    P, nbp = plan_partitions(N, c.Hkv, max_tokens, c.block_size, sms, p.num_partitions or 0)
     ws_m = torch.empty((N, c.Hkv, P, BM), dtype=torch.float32, device=p.device)
     ws_l = torch.empty_like(ws_m)
     ws_acc = torch.empty((N, c.Hkv, P, BM, D), dtype=torch.float32, device=p.device)
     kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
     pa_decode_partition_kernel[(N, c.Hkv, P)](
         p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, ws_m, ws_l, ws_acc,
-        p.softmax_scale, p.sliding_window,
+        p.softmax_scale, p.sliding_window, max_tokens,
         p.query.stride(0), p.query.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),

@@ -35,7 +35,7 @@ import triton.language as tl
 @triton.jit
 def pa_decode_partition_kernel(
     p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_ws_m, p_ws_l, p_ws_acc,
-    softmax_scale, sliding_window,
+    softmax_scale, sliding_window, max_tokens,
     stride_q_t, stride_q_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
@@ -62,7 +62,7 @@ def pa_decode_partition_kernel(
     first = tl.where(sliding_window > 0, last - sliding_window + 1, 0)
 
     start = i_p * (NBP * BS)
-    end = tl.minimum(start + NBP * BS, ctx)
+    end = tl.minimum(tl.minimum(start + NBP * BS, ctx), max_tokens)  # never past the table row
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, D], dtype=tl.float32)

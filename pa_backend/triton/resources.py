@@ -34,7 +34,7 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
             types[n] = "*fp32"
         elif n == "softmax_scale":
             types[n] = "fp32"
-        elif n.startswith("stride_") or n in ("sliding_window", "capacity"):
+        elif n.startswith("stride_") or n in ("sliding_window", "capacity", "max_tokens"):
             types[n] = "i32"
     BM = M
     if kernel == "partition":
