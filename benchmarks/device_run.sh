@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noh
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 rc=0
 if [ "$what" = all ] || [ "$what" = tests ]; then
-  python3 -m pytest -q -m gpu -x kda_backend -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt" | tail -15
+  python3 -m pytest -q -m gpu -x kda_backend pa_backend -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt" | tail -15
   rc=$((rc | ${PIPESTATUS[0]}))
 fi
 if [ "$what" = all ] || [ "$what" = verify ]; then

@@ -94,27 +94,26 @@ def run_attention(p: PAProblem, compute_dtype: torch.dtype = torch.float32) -> t
 
 
 def run_write(p: WriteProblem) -> None:
+    """Quantize and scatter all tokens at once (vectorized: test caches hold millions of tokens)."""
     c = p.cache
     fmax = fp8_max(c.key_cache.dtype)
-    capacity = c.num_blocks * c.block_size
-    for t in range(p.key.shape[0]):
-        slot = int(p.slot_mapping[t])
-        if slot < 0 or slot >= capacity:  # -1: padding token; past the cache: skipped too
-            continue
-        b, off = slot // c.block_size, slot % c.block_size
-        for x, cache, scale, per_token, is_key in ((p.key[t], c.key_cache, c.key_scale, c.k_per_token, True),
-                                                   (p.value[t], c.value_cache, c.value_scale, c.v_per_token, False)):
-            xf = x.float()  # [Hkv, D]
-            if per_token:
-                sc = (xf.abs().amax(dim=-1) / fmax).clamp_min(torch.finfo(torch.float32).tiny)  # [Hkv]
-                scale[b, :, off] = sc
-                q = xf / sc[:, None]
-            else:
-                q = xf / scale.float()
-            q = q.clamp(-fmax, fmax).to(cache.dtype)
-            if is_key:
-                cache[b, :, :, off, :] = q.view(c.Hkv, c.D // 16, 16)
-            elif c.v_transposed:
-                cache[b, :, off // 16, :, off % 16] = q
-            else:
-                cache[b, :, :, off] = q
+    slots = p.slot_mapping.long()
+    keep = (slots >= 0) & (slots < c.num_blocks * c.block_size)  # -1: padding; past the cache: skipped
+    slots = slots[keep]
+    b, off = slots // c.block_size, slots % c.block_size
+    for x, cache, scale, per_token, is_key in ((p.key[keep], c.key_cache, c.key_scale, c.k_per_token, True),
+                                               (p.value[keep], c.value_cache, c.value_scale, c.v_per_token, False)):
+        xf = x.float()  # [n, Hkv, D]
+        if per_token:
+            sc = (xf.abs().amax(dim=-1) / fmax).clamp_min(torch.finfo(torch.float32).tiny)  # [n, Hkv]
+            scale[b, :, off] = sc
+            q = xf / sc[:, :, None]
+        else:
+            q = xf / scale.float()
+        q = q.clamp(-fmax, fmax).to(cache.dtype)
+        if is_key:  # key_cache[b, h, d // 16, t, d % 16]
+            cache[b, :, :, off, :] = q.view(-1, c.Hkv, c.D // 16, 16)
+        elif c.v_transposed:  # value_cache[b, h, t // 16, d, t % 16]
+            cache[b, :, off // 16, :, off % 16] = q
+        else:  # value_cache[b, h, d, t]
+            cache[b, :, :, off] = q

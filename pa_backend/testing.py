@@ -104,11 +104,9 @@ def make_pa_case(
     if total:
         key = (torch.randn(total, Hkv, D, generator=g) * 0.02 * fp8_max(fp8_dtype) / 3).to(act_dtype).to(device)
         value = (torch.randn(total, Hkv, D, generator=g) * 0.015 * fp8_max(fp8_dtype) / 3).to(act_dtype).to(device)
-        slots = []
-        for s, c in enumerate(context_lengths):
-            for j in range(c):
-                slots.append(int(tables[s, j // block_size]) * block_size + j % block_size)
-        slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
+        slot_mapping = torch.cat([tables[s, torch.arange(c, device=device) // block_size].long() * block_size
+                                  + torch.arange(c, device=device) % block_size
+                                  for s, c in enumerate(context_lengths)])
         run_write(prepare_write(key=key, value=value, key_cache=key_cache, value_cache=value_cache,
                                 slot_mapping=slot_mapping, key_scale=key_scale, value_scale=value_scale))
 

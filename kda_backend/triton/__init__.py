@@ -50,7 +50,7 @@ def supports(p: KDAProblem) -> Tuple[bool, str]:
 
 
 @functools.lru_cache(maxsize=1024)
-def launch_config(K: int, R: int, state_dtype: torch.dtype, has_f_b: bool, pairs_class: int, sms: int) -> dict:
+def launch_config(K: int, R: int, has_f_b: bool, pairs_class: int, sms: int) -> dict:
     """Compiled-specialization settings for a shape class (bounded LRU; scalars are not part of it).
 
     BV (state rows per program): programs per (row, head) NV = V / BV is the smallest power of two
@@ -118,7 +118,7 @@ def run(p: KDAProblem) -> torch.Tensor:
     from .kda_decode import kda_decode_kernel  # imports triton
 
     pairs = p.B * p.H
-    cfg = launch_config(p.K, p.R, p.state.dtype, p.has_f_b, 1 << (pairs - 1).bit_length(), _sm_count(p.device))
+    cfg = launch_config(p.K, p.R, p.has_f_b, 1 << (pairs - 1).bit_length(), _sm_count(p.device))
     bv = cfg["BV"]
     nv = p.V // bv
     if nv > 1 and pairs > MAX_SPLIT_PAIRS:
