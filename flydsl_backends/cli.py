@@ -126,11 +126,17 @@ def cmd_bench(args) -> int:
     if not platform.has_gpu():
         print("bench needs a CUDA/ROCm GPU; this machine has none (timings on the CPU interpreter mean nothing)")
         return 2
-    if args.op != "kda":
-        print(f"bench: unknown op {args.op!r} (expected: kda)")
-        return 2
     import torch
 
+    dev = platform.device_info().name.replace(" ", "_")
+    if args.op == "pa":
+        from pa_backend.benchmark import run_bench as run_pa
+
+        rows = run_pa(impls=args.impl.split(","), trials=max(args.trials, 30), baseline=not args.no_baseline)
+        out = Path(args.out) if args.out else Path("benchmarks/results") / f"pa_decode_{dev}_{today()}.csv"
+        write_rows(out, rows)
+        print(f"{len(rows)} rows appended to {out}")
+        return 0
     from kda_backend.benchmark import run_bench
 
     batches = [int(b) for b in args.batches.split(",")]
@@ -139,7 +145,6 @@ def cmd_bench(args) -> int:
                      state_dtypes=[dtypes[d] for d in args.state_dtypes.split(",")],
                      f_b_modes=[m == "on" for m in args.f_b.split(",")], lower_bound=args.lower_bound,
                      impls=args.impl.split(","), trials=args.trials, with_fla=not args.no_fla)
-    dev = platform.device_info().name.replace(" ", "_")
     out = Path(args.out) if args.out else Path("benchmarks/results") / f"kda_decode_{dev}_{today()}.csv"
     write_rows(out, rows)
     print(f"{len(rows)} rows appended to {out}")
@@ -157,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--small", action="store_true", help="small shapes even on a GPU")
     b = sub.add_parser("bench", help="CUDA-graph timings, CSV rows under benchmarks/results/")
     b.add_argument("op", choices=OPS)
-    b.add_argument("--batches", default="1,32,128")
+    b.add_argument("--batches", default="1,32,128", help="kda only (pa runs the issue's fixed configurations)")
     b.add_argument("--heads", type=int, default=12)
     b.add_argument("--head-dim", type=int, default=128)
     b.add_argument("--state-dtypes", default="fp32,bf16")
@@ -165,7 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--lower-bound", type=float, default=None, help="safe-gate lower bound (Kimi-K3: -5)")
     b.add_argument("--impl", default="triton", help="comma list of implementations to time")
     b.add_argument("--trials", type=int, default=50)
-    b.add_argument("--no-fla", action="store_true", help="skip the composed fla-core baseline")
+    b.add_argument("--no-fla", action="store_true", help="kda: skip the composed fla-core baseline")
+    b.add_argument("--no-baseline", action="store_true", help="pa: skip the torch gather + SDPA baseline")
     b.add_argument("--out", default=None, help="CSV path (default benchmarks/results/kda_decode_<device>_<date>.csv)")
     return p
 

@@ -93,3 +93,15 @@ def test_prefill_with_equal_lengths_is_decode():
     dec = make_pa_case([10, 33, 21], query_length=2, scales="token", seed=5)
     pre = make_pa_case([10, 33, 21], query_lengths=[2, 2, 2], scales="token", seed=5)
     assert torch.equal(dec.call("torch"), pre.call("torch"))
+
+
+@pytest.mark.parametrize("ql,scales,Hq", [(1, "tensor", 4), (3, "token", 8)])
+def test_benchmark_baseline_matches_reference(ql, scales, Hq):
+    """The bench's gather + SDPA baseline computes the same attention as the reference."""
+    from pa_backend import pa_decode
+    from pa_backend.benchmark import bench_case, gather_sdpa
+
+    kw = bench_case(3, 64, ql, Hq, 2, 64, 16, scales, "cpu")
+    ref = pa_decode(**kw, backend="torch").double()
+    base = gather_sdpa(**kw).double()
+    assert ((base - ref).norm() / ref.norm()).item() < 2e-2
