@@ -25,7 +25,8 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
-__all__ = ["Timing", "time_cuda_graph", "copy_bandwidth_gbps", "git_commit", "write_rows", "RESULT_FIELDS"]
+__all__ = ["Timing", "time_cuda_graph", "copy_bandwidth_gbps", "git_commit", "write_rows", "RESULT_FIELDS",
+           "BenchContext", "bench_context", "result_row"]
 
 
 @dataclass
@@ -129,3 +130,37 @@ def write_rows(path: Path, rows: Iterable[Dict[str, object]]) -> Path:
         for r in rows:
             w.writerow(r)
     return path
+
+
+@dataclass
+class BenchContext:
+    """What every row of one benchmark run shares: device, commit, date, the copy bandwidth."""
+
+    device: torch.device
+    device_name: str
+    commit: str
+    date: str
+    copy_gbps: float
+
+
+def bench_context(progress=print) -> BenchContext:
+    """Start a benchmark run on the current GPU: measures the copy bandwidth and says so."""
+    from backend_core import platform
+
+    if not platform.has_gpu():
+        raise RuntimeError("benchmarks need a CUDA/ROCm GPU (timings on the CPU interpreter mean nothing)")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    info = platform.device_info(dev)
+    ctx = BenchContext(dev, info.name, git_commit(), today(), copy_bandwidth_gbps(device=dev))
+    progress(f"device {info.name} ({info.arch}), copy bandwidth {ctx.copy_gbps:.0f} GB/s (read+write), "
+             f"commit {ctx.commit}")
+    return ctx
+
+
+def result_row(ctx: BenchContext, op: str, impl: str, shape: str, t: Timing, nbytes: int, notes: str = "") -> Dict[str, object]:
+    """One CSV row (RESULT_FIELDS): time, logical GB/s and % of the run's copy bandwidth."""
+    gbps = nbytes / (t.median_us * 1e-6) / 1e9
+    return {"date": ctx.date, "commit": ctx.commit, "device": ctx.device_name, "op": op, "impl": impl, "shape": shape,
+            "us": f"{t.median_us:.3f}", "p10_us": f"{t.p10_us:.3f}", "p90_us": f"{t.p90_us:.3f}", "bytes": nbytes,
+            "gbps": f"{gbps:.1f}", "pct_copy": f"{100 * gbps / ctx.copy_gbps:.1f}", "copy_gbps": f"{ctx.copy_gbps:.1f}",
+            "trials": t.trials, "notes": notes}

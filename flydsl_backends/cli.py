@@ -128,24 +128,20 @@ def cmd_bench(args) -> int:
         return 2
     import torch
 
-    dev = platform.device_info().name.replace(" ", "_")
     if args.op == "pa":
         from pa_backend.benchmark import run_bench as run_pa
 
         rows = run_pa(impls=args.impl.split(","), trials=max(args.trials, 30), baseline=not args.no_baseline)
-        out = Path(args.out) if args.out else Path("benchmarks/results") / f"pa_decode_{dev}_{today()}.csv"
-        write_rows(out, rows)
-        print(f"{len(rows)} rows appended to {out}")
-        return 0
-    from kda_backend.benchmark import run_bench
+    else:
+        from kda_backend.benchmark import run_bench
 
-    batches = [int(b) for b in args.batches.split(",")]
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    rows = run_bench(batches=batches, H=args.heads, K=args.head_dim,
-                     state_dtypes=[dtypes[d] for d in args.state_dtypes.split(",")],
-                     f_b_modes=[m == "on" for m in args.f_b.split(",")], lower_bound=args.lower_bound,
-                     impls=args.impl.split(","), trials=args.trials, with_fla=not args.no_fla)
-    out = Path(args.out) if args.out else Path("benchmarks/results") / f"kda_decode_{dev}_{today()}.csv"
+        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+        rows = run_bench(batches=[int(b) for b in args.batches.split(",")], H=args.heads, K=args.head_dim,
+                         state_dtypes=[dtypes[d] for d in args.state_dtypes.split(",")],
+                         f_b_modes=[m == "on" for m in args.f_b.split(",")], lower_bound=args.lower_bound,
+                         impls=args.impl.split(","), trials=args.trials, with_fla=not args.no_fla)
+    dev = platform.device_info().name.replace(" ", "_")
+    out = Path(args.out) if args.out else Path("benchmarks/results") / f"{args.op}_decode_{dev}_{today()}.csv"
     write_rows(out, rows)
     print(f"{len(rows)} rows appended to {out}")
     return 0

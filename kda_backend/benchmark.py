@@ -19,8 +19,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from backend_core import platform
-from backend_core.timing import copy_bandwidth_gbps, git_commit, time_cuda_graph, today
+from backend_core.timing import bench_context, result_row, time_cuda_graph
 
 from .testing import make_case
 
@@ -84,15 +83,10 @@ def run_bench(batches: Sequence[int] = (1, 32, 128), H: int = 12, K: int = 128, 
               impls: Sequence[str] = ("triton",), trials: int = 50, with_fla: bool = True,
               progress=print) -> List[Dict[str, object]]:
     """Time every configuration; return CSV rows (see backend_core.timing.RESULT_FIELDS)."""
-    if not platform.has_gpu():
-        raise RuntimeError("bench kda needs a CUDA/ROCm GPU (timings on the CPU interpreter mean nothing)")
     from .api import REGISTRY
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    info = platform.device_info(dev)
-    commit, date = git_commit(), today()
-    copy = copy_bandwidth_gbps(device=dev)
-    progress(f"device {info.name} ({info.arch}), copy bandwidth {copy:.0f} GB/s (read+write), commit {commit}")
+    run = bench_context(progress)
+    dev, copy = run.device, run.copy_gbps
     rows: List[Dict[str, object]] = []
     for state_dtype in state_dtypes:
         elt = torch.empty((), dtype=state_dtype).element_size()
@@ -116,8 +110,7 @@ def run_bench(batches: Sequence[int] = (1, 32, 128), H: int = 12, K: int = 128, 
                         continue
                     t = time_cuda_graph(lambda i: sets[i % n_sets].call(impl), inner=inner, trials=trials, device=dev)
                     measured[impl] = t.median_us
-                    rows.append(_row(date, commit, info.name, impl, shape, t, nbytes, copy,
-                                     f"copy floor {floor_us:.2f} us"))
+                    rows.append(result_row(run, "kda_decode", impl, shape, t, nbytes, f"copy floor {floor_us:.2f} us"))
                 if with_fla:
                     chain = _fla_chain(sets, H, K, with_f_b)
                     if chain is None:
@@ -126,8 +119,8 @@ def run_bench(batches: Sequence[int] = (1, 32, 128), H: int = 12, K: int = 128, 
                     else:
                         t = time_cuda_graph(chain, inner=inner, trials=trials, device=dev)
                         measured["fla_chain"] = t.median_us
-                        rows.append(_row(date, commit, info.name, "fla_chain", shape, t, nbytes, copy,
-                                         "fla causal_conv1d_update + fused_recurrent_kda_fwd + rms_norm_gated"))
+                        rows.append(result_row(run, "kda_decode", "fla_chain", shape, t, nbytes,
+                                               "fla causal_conv1d_update + fused_recurrent_kda_fwd + rms_norm_gated"))
                 line = f"  {shape}: " + ", ".join(f"{k} {v:.2f} us" for k, v in measured.items())
                 line += f" | copy floor {floor_us:.2f} us"
                 if "fla_chain" in measured:
@@ -138,11 +131,3 @@ def run_bench(batches: Sequence[int] = (1, 32, 128), H: int = 12, K: int = 128, 
                 del sets
                 torch.cuda.empty_cache()
     return rows
-
-
-def _row(date, commit, device, impl, shape, t, nbytes, copy, notes) -> Dict[str, object]:
-    gbps = nbytes / (t.median_us * 1e-6) / 1e9
-    return {"date": date, "commit": commit, "device": device, "op": "kda_decode", "impl": impl, "shape": shape,
-            "us": f"{t.median_us:.3f}", "p10_us": f"{t.p10_us:.3f}", "p90_us": f"{t.p90_us:.3f}", "bytes": nbytes,
-            "gbps": f"{gbps:.1f}", "pct_copy": f"{100 * gbps / copy:.1f}", "copy_gbps": f"{copy:.1f}",
-            "trials": t.trials, "notes": notes}

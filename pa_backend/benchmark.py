@@ -14,8 +14,7 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from backend_core import platform
-from backend_core.timing import copy_bandwidth_gbps, git_commit, time_cuda_graph, today
+from backend_core.timing import bench_context, result_row, time_cuda_graph
 
 __all__ = ["bench_case", "gather_sdpa", "run_bench", "DEFAULT_CONFIGS", "kv_bytes"]
 
@@ -93,15 +92,10 @@ def gather_sdpa(query, key_cache, value_cache, block_tables, context_lengths, ke
 
 def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] = ("triton",), trials: int = 30,
               baseline: bool = True, progress=print) -> List[Dict[str, object]]:
-    if not platform.has_gpu():
-        raise RuntimeError("bench pa needs a CUDA/ROCm GPU")
     from . import pa_decode
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    info = platform.device_info(dev)
-    commit, date = git_commit(), today()
-    copy = copy_bandwidth_gbps(device=dev)
-    progress(f"device {info.name} ({info.arch}), copy bandwidth {copy:.0f} GB/s (read+write), commit {commit}")
+    run = bench_context(progress)
+    dev, copy = run.device, run.copy_gbps
     rows: List[Dict[str, object]] = []
     for (B, ctx, ql, Hq, Hkv, D, bs, scales) in configs:
         kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, dev)
@@ -119,11 +113,8 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
                 progress(f"  {shape}: {name} failed: {type(exc).__name__}: {exc}")
                 continue
             gbps = nbytes / (t.median_us * 1e-6) / 1e9
-            rows.append({"date": date, "commit": commit, "device": info.name, "op": "pa_decode", "impl": name,
-                         "shape": shape, "us": f"{t.median_us:.2f}", "p10_us": f"{t.p10_us:.2f}",
-                         "p90_us": f"{t.p90_us:.2f}", "bytes": nbytes, "gbps": f"{gbps:.1f}",
-                         "pct_copy": f"{100 * gbps / copy:.1f}", "copy_gbps": f"{copy:.1f}", "trials": t.trials,
-                         "notes": "logical bytes = FP8 K+V (+ per-token scales) read once"})
+            rows.append(result_row(run, "pa_decode", name, shape, t, nbytes,
+                                   "logical bytes = FP8 K+V (+ per-token scales) read once"))
             line += f" {name} {t.median_us:.1f} us ({100 * gbps / copy:.0f}% of copy)"
         progress(line)
         del kw, out
