@@ -43,3 +43,9 @@ def test_cuda_graph_replay_with_new_context_lengths():
         graphed = kw["out"].clone()
         eager = case.call("triton", out=torch.empty_like(kw["out"]))
         assert torch.equal(graphed.view(torch.int16), eager.view(torch.int16)), lens  # bitwise (stale pages may hold NaN)
+
+
+@pytest.mark.parametrize("D,bs", [(128, 16), (64, 128)])
+def test_prefill_gpu(D, bs):
+    check(dict(context_lengths=[1027, 54, 8192, 0], query_lengths=[300, 54, 7, 0], Hq=8, Hkv=2, D=D, block_size=bs,
+               sliding_window=512, sinks=True), seed=D + bs)

@@ -20,7 +20,7 @@ def check(params, seed=0, **call):
     kw = dict(case.kwargs)
     kw.pop("out")
     ref = torch.empty(kw["query"].shape, dtype=torch.float64, device=DEVICE)
-    run_attention(dataclasses.replace(prepare_attention(**kw), out=ref), compute_dtype=torch.float64)
+    run_attention(dataclasses.replace(prepare_attention(**kw, prefill=case.prefill), out=ref), compute_dtype=torch.float64)
     out = case.call("triton", **call)
     assert torch.isfinite(out).all()
     err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
@@ -69,11 +69,25 @@ def test_planner_is_shape_only_and_bounded():
     assert plan_partitions(4, 1, 4096, 16, 132, requested=4)[0] == 4
 
 
-def test_prefill_falls_back_to_the_reference():
-    case = make_pa_case([8, 3], query_lengths=[2, 3], device=DEVICE)
-    with pytest.raises(ValueError, match="pa_prefill has no Triton kernel yet"):
-        case.call("triton")
-    case.call("auto")  # the reference serves it
+@pytest.mark.parametrize("params", [
+    dict(context_lengths=[12, 30, 7], query_lengths=[4, 1, 7]),
+    dict(context_lengths=[50, 3], query_lengths=[45, 3], Hq=4, Hkv=1, scales="token", v_layout="5d"),  # 3 chunks
+    dict(context_lengths=[20, 0, 64], query_lengths=[20, 0, 33], Hq=8, Hkv=2, sliding_window=10, sinks=True),
+    dict(context_lengths=[130, 17], query_lengths=[70, 17], Hq=2, Hkv=2, block_size=64),  # 2 chunks at G=1
+], ids=["small", "chunks-token-5d", "empty-seq-window-sinks", "bs64"])
+def test_prefill_ragged(params):
+    check(dict(params, D=64), seed=7)
+
+
+def test_prefill_rows_outside_sequences_are_zero():
+    case = make_pa_case([10, 12], query_lengths=[3, 4], device=DEVICE, seed=8)
+    kw = dict(case.kwargs)
+    T = kw["query"].shape[0]
+    qsl = torch.tensor([1, 4, T - 1], dtype=torch.int32, device=DEVICE)  # row 0 and the last row belong to none
+    ref = case.call("torch", query_start_loc=qsl, out=torch.full_like(kw["query"], float("nan")))
+    out = case.call("triton", query_start_loc=qsl, out=torch.full_like(kw["query"], float("nan")))
+    assert (out[0] == 0).all() and (out[-1] == 0).all()
+    assert ((out.double() - ref.double()).norm() / ref.double().norm()) < 1e-2
 
 
 @pytest.mark.parametrize("scales", ["tensor", "token"])

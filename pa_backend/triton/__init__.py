@@ -1,5 +1,6 @@
-"""Triton implementation of ``pa_decode`` (split-K partitions + reduce) and ``write_kv``.
-``pa_prefill`` has no Triton kernel yet: ``supports`` says so and ``auto`` uses the reference.
+"""Triton implementation of ``pa_decode`` (split-K partitions + reduce), ``pa_prefill`` (the same
+kernels over chunks of query rows; one host read of query_start_loc / context_lengths to build
+the chunks, so prefill is not graph-capturable) and ``write_kv``.
 
 Status: tested under TRITON_INTERPRET=1 and compiled for sm_90 on CPU; NOT yet run on a GPU, so
 ``backend="auto"`` does not choose it on a GPU (pass ``backend="triton"`` to use it).
@@ -23,13 +24,11 @@ def available() -> Tuple[bool, str]:
     if not platform.triton_available():
         return False, "triton is not installed (pip install 'flydsl-backends[triton]')"
     if platform.has_gpu() or platform.triton_interpreter_enabled():
-        return True, "decode (split-K + reduce) and write_kv kernels; prefill not yet"
+        return True, "decode / prefill (split-K + reduce) and write_kv kernels"
     return False, "no CUDA/ROCm GPU visible to torch (set TRITON_INTERPRET=1 to run the kernel on CPU tensors)"
 
 
 def supports(p) -> Tuple[bool, str]:
-    if isinstance(p, PAProblem) and not p.is_decode:
-        return False, "pa_prefill has no Triton kernel yet"
     if p.device.type == "cpu" and not platform.triton_interpreter_enabled():
         return False, "CPU tensors need TRITON_INTERPRET=1"
     if p.cache.key_cache.dtype != torch.float8_e4m3fn and not (p.device.type == "cuda" and platform.is_hip()):
@@ -103,24 +102,46 @@ def _run_write(p: WriteProblem) -> None:
     return None
 
 
+def _prefill_chunks(p: PAProblem, rows_per_chunk: int):
+    """(chunks [n, 4] int32 on the device, first row, end row): each chunk is (sequence, first query
+    row, rows, context its last row sees). Reads query_start_loc and context_lengths (host sync)."""
+    qsl = p.query_start_loc.tolist()
+    ctx = p.context_lengths.tolist()
+    items = []
+    for s in range(p.num_seqs):
+        ql = qsl[s + 1] - qsl[s]
+        for r0 in range(0, max(ql, 0), rows_per_chunk):
+            n = min(rows_per_chunk, ql - r0)
+            items.append((s, qsl[s] + r0, n, ctx[s] - ql + r0 + n))
+    chunks = torch.tensor(items or [(0, 0, 0, 0)], dtype=torch.int32).to(p.device)
+    return chunks, len(items), qsl[0], qsl[-1]
+
+
 def _run_decode(p: PAProblem) -> torch.Tensor:
     from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel  # imports triton
 
     c = p.cache
-    N, G, QL, D = p.num_seqs, p.Hq // c.Hkv, p.query_length, c.D
-    if N == 0:
+    G, D = p.Hq // c.Hkv, c.D
+    if p.is_decode:
+        QL, items, chunks = p.query_length, p.num_seqs, p.context_lengths
+    else:
+        QL = max(1, 64 // G)
+        chunks, items, r_first, r_end = _prefill_chunks(p, QL)
+        p.out[:r_first].zero_()  # rows outside every sequence
+        p.out[r_end:].zero_()
+    if items == 0:
         return p.out
     BM = max(16, 1 << (G * QL - 1).bit_length())
-    sms = platform.device_info(p.device).multiprocessors if p.device.type == "cuda" else 132
     bt, warps = decode_tiling(D, c.block_size, BM)
+    sms = platform.device_info(p.device).multiprocessors if p.device.type == "cuda" else 132
     max_tokens = int(p.block_tables.shape[1]) * c.block_size
-    P, nbp = plan_partitions(N, c.Hkv, max_tokens, c.block_size, sms, p.num_partitions or 0)
-    ws_m = torch.empty((N, c.Hkv, P, BM), dtype=torch.float32, device=p.device)
+    P, nbp = plan_partitions(items, c.Hkv, max_tokens, c.block_size, sms, p.num_partitions or 0)
+    ws_m = torch.empty((items, c.Hkv, P, BM), dtype=torch.float32, device=p.device)
     ws_l = torch.empty_like(ws_m)
-    ws_acc = torch.empty((N, c.Hkv, P, BM, D), dtype=torch.float32, device=p.device)
+    ws_acc = torch.empty((items, c.Hkv, P, BM, D), dtype=torch.float32, device=p.device)
     kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
-    pa_decode_partition_kernel[(N, c.Hkv, P)](
-        p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, ws_m, ws_l, ws_acc,
+    pa_decode_partition_kernel[(items, c.Hkv, P)](
+        p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc,
         p.softmax_scale, p.sliding_window, max_tokens,
         p.query.stride(0), p.query.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
@@ -128,12 +149,14 @@ def _run_decode(p: PAProblem) -> torch.Tensor:
         ks.stride(0) if c.k_per_token else 0, ks.stride(1) if c.k_per_token else 0,
         vs.stride(0) if c.v_per_token else 0, vs.stride(1) if c.v_per_token else 0,
         p.block_tables.stride(0),
-        HKV=c.Hkv, G=G, QL=QL, BM=BM, D=D, BS=c.block_size, NBP=nbp, BT=bt, DOT_DTYPE=_dot_dtype(), V5D=c.v_transposed,
-        K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, num_warps=warps,
+        HKV=c.Hkv, G=G, QL=QL, BM=BM, D=D, BS=c.block_size, NBP=nbp, BT=bt, DOT_DTYPE=_dot_dtype(),
+        V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
+        num_warps=warps,
     )
-    pa_decode_reduce_kernel[(N, c.Hkv)](
-        ws_m, ws_l, ws_acc, p.sinks if p.sinks is not None else ws_m, p.out,
+    pa_decode_reduce_kernel[(items, c.Hkv)](
+        ws_m, ws_l, ws_acc, p.sinks if p.sinks is not None else ws_m, p.out, p.context_lengths, chunks,
         p.out.stride(0), p.out.stride(1),
-        HKV=c.Hkv, G=G, QL=QL, BM=BM, D=D, P=P, HAS_SINKS=p.sinks is not None, num_warps=reduce_warps(D, BM),
+        HKV=c.Hkv, G=G, QL=QL, BM=BM, D=D, P=P, HAS_SINKS=p.sinks is not None, RAGGED=not p.is_decode,
+        num_warps=reduce_warps(D, BM),
     )
     return p.out

@@ -18,7 +18,11 @@
 # sequence's extent are never dereferenced; masked tokens never contribute, so NaN bytes in unused
 # slots of a live page are selected away by `where` before any arithmetic that could spread them.
 #
-# Reduce kernel, grid (num_seqs, Hkv): combines the P partial (m, l, acc) with the softmax rescale,
+# Prefill (ragged) reuses both kernels with RAGGED=1: the work items are chunks of at most QL
+# query rows of one sequence (host-built metadata), each behaving like a decode sequence whose
+# context is what its last row sees.
+#
+# Reduce kernel, grid (work items, Hkv): combines the P partial (m, l, acc) with the softmax rescale,
 # adds exp(sink - m) to the denominator when sinks are given, and writes the BM valid rows (zero
 # when no token was attended).
 #
@@ -33,8 +37,28 @@ import triton.language as tl
 
 
 @triton.jit
+def _rows_of(p_cl, p_chunks, i_s, QL: tl.constexpr, RAGGED: tl.constexpr):
+    """(table row, first query row, number of rows, visible context) of work item i_s.
+
+    Decode: item = sequence, QL rows each. Prefill: item = a chunk of at most QL query rows of one
+    sequence, described by p_chunks[i_s] = (sequence, first row, rows, context seen by its last row);
+    row i of the chunk then sees tokens 0 .. context - rows + i, as in decode."""
+    if RAGGED:
+        seq = tl.load(p_chunks + i_s * 4).to(tl.int64)
+        q0 = tl.load(p_chunks + i_s * 4 + 1).to(tl.int64)
+        nrows = tl.load(p_chunks + i_s * 4 + 2)
+        ctx = tl.load(p_chunks + i_s * 4 + 3)
+    else:
+        seq = i_s
+        q0 = i_s * QL
+        nrows = QL
+        ctx = tl.load(p_cl + i_s)
+    return seq, q0, nrows, ctx
+
+
+@triton.jit
 def pa_decode_partition_kernel(
-    p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_ws_m, p_ws_l, p_ws_acc,
+    p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
     softmax_scale, sliding_window, max_tokens,
     stride_q_t, stride_q_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
@@ -42,7 +66,8 @@ def pa_decode_partition_kernel(
     stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
     stride_bt_s,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    NBP: tl.constexpr, BT: tl.constexpr, DOT_DTYPE: tl.constexpr, V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr,
+    NBP: tl.constexpr, BT: tl.constexpr, DOT_DTYPE: tl.constexpr, V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr,
+    V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
 ):
     i_s = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -51,14 +76,13 @@ def pa_decode_partition_kernel(
     o_m = tl.arange(0, BM)
     o_d = tl.arange(0, D)
     o_t = tl.arange(0, BT)
-    row = o_m // G  # query row within the sequence
+    row = o_m // G  # query row within the sequence (decode) or chunk (prefill)
     grp = o_m % G
-    m_valid = o_m < G * QL
-
-    ctx = tl.load(p_cl + i_s)
-    p_qrow = p_q + (i_s * QL + row)[:, None] * stride_q_t + (i_h * G + grp)[:, None] * stride_q_h + o_d[None, :]
+    seq, q0, nrows, ctx = _rows_of(p_cl, p_chunks, i_s, QL, RAGGED)
+    m_valid = (o_m < G * QL) & (row < nrows)
+    p_qrow = p_q + (q0 + row)[:, None] * stride_q_t + (i_h * G + grp)[:, None] * stride_q_h + o_d[None, :]
     b_q = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(DOT_DTYPE)
-    last = ctx - QL + row  # row sees tokens 0..last
+    last = ctx - nrows + row  # row sees tokens 0..last
     first = tl.where(sliding_window > 0, last - sliding_window + 1, 0)
 
     start = i_p * (NBP * BS)
@@ -76,7 +100,7 @@ def pa_decode_partition_kernel(
     for jt in tl.range(0, NBP * (BS // BT)):
         tile_start = start + jt * BT
         has = tile_start < end
-        b = tl.load(p_bt + i_s * stride_bt_s + tile_start // BS, mask=has, other=0).to(tl.int64)
+        b = tl.load(p_bt + seq * stride_bt_s + tile_start // BS, mask=has, other=0).to(tl.int64)
         t_in = tile_start % BS + o_t  # offsets inside the block
         tok = tile_start + o_t
         # K tile [BT, D] from key_cache[b, h, d // 16, t, d % 16]
@@ -116,10 +140,10 @@ def pa_decode_partition_kernel(
 
 @triton.jit
 def pa_decode_reduce_kernel(
-    p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out,
+    p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_cl, p_chunks,
     stride_o_t, stride_o_h,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr,
 ):
     i_s = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -127,7 +151,8 @@ def pa_decode_reduce_kernel(
     o_d = tl.arange(0, D)
     row = o_m // G
     grp = o_m % G
-    m_valid = o_m < G * QL
+    seq, q0, nrows, ctx = _rows_of(p_cl, p_chunks, i_s, QL, RAGGED)
+    m_valid = (o_m < G * QL) & (row < nrows)
     base = (i_s * HKV + i_h) * P * BM
     m_all = tl.full([BM], float("-inf"), dtype=tl.float32)
     for p in tl.range(0, P):
@@ -146,5 +171,5 @@ def pa_decode_reduce_kernel(
     if HAS_SINKS:
         b_l += tl.exp(b_sink - m_base)
     b_o = tl.where(attended[:, None], b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None], 0.0)
-    p_o = p_out + (i_s * QL + row)[:, None] * stride_o_t + (i_h * G + grp)[:, None] * stride_o_h + o_d[None, :]
+    p_o = p_out + (q0 + row)[:, None] * stride_o_t + (i_h * G + grp)[:, None] * stride_o_h + o_d[None, :]
     tl.store(p_o, b_o.to(p_out.dtype.element_ty), mask=m_valid[:, None])

@@ -15,7 +15,7 @@ SHIPPED_CONFIGS = [(D, bs, m, v5, pt) for D in (64, 128, 256) for bs in (16, 64,
 
 
 def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = False, per_token: bool = False,
-                 NBP: int = 8, kernel: str = "partition") -> Dict[str, int]:
+                 NBP: int = 8, kernel: str = "partition", ragged: bool = False) -> Dict[str, int]:
     import triton.language as tl
 
     from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel
@@ -26,7 +26,7 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
     for n in inspect.signature(fn.fn).parameters:
         if n in ("p_kc", "p_vc"):
             types[n] = "*fp8e4nv"
-        elif n in ("p_bt", "p_cl", "p_slots"):
+        elif n in ("p_bt", "p_cl", "p_slots", "p_chunks"):
             types[n] = "*i32"
         elif n in ("p_q", "p_out", "p_k", "p_v"):
             types[n] = "*bf16"
@@ -42,7 +42,7 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
 
         bt, warps = decode_tiling(D, block_size, BM)
         constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, BS=block_size, NBP=NBP, BT=bt, DOT_DTYPE=tl.bfloat16, V5D=v5d,
-                          K_PER_TOKEN=per_token, V_PER_TOKEN=per_token)
+                          K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged)
     elif kernel == "write":
         constexprs = dict(D=D, BS=block_size, FMAX=448.0, MIN_EXP=-6, V5D=v5d, K_PER_TOKEN=per_token,
                           V_PER_TOKEN=per_token)
@@ -50,7 +50,7 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
     else:
         from . import reduce_warps
 
-        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, P=8, HAS_SINKS=True)
+        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, P=8, HAS_SINKS=True, RAGGED=ragged)
         warps = reduce_warps(D, BM)
     divisible = [n for n in types if n.startswith(("p_", "stride_"))]
     return _ptxas_report(fn, types, constexprs, divisible, warps)
