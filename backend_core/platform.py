@@ -27,6 +27,9 @@ __all__ = [
     "module_available",
     "triton_available",
     "triton_interpreter_enabled",
+    "triton_runnable",
+    "triton_device_ok",
+    "sm_count",
     "flydsl_available",
     "summary",
 ]
@@ -131,6 +134,33 @@ def triton_available() -> bool:
 def triton_interpreter_enabled() -> bool:
     """Triton's interpreter (``TRITON_INTERPRET=1``) runs kernels on CPU tensors."""
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def triton_runnable() -> "tuple[bool, str]":
+    """Can Triton kernels run here at all: installed, and a GPU or the interpreter (CPU tensors)."""
+    if not triton_available():
+        return False, "triton is not installed (pip install 'flydsl-backends[triton]')"
+    if has_gpu():
+        return True, "triton installed, GPU present"
+    if triton_interpreter_enabled():
+        return True, "triton installed, TRITON_INTERPRET=1 (CPU tensors, interpreted: slow, for tests)"
+    return False, "no CUDA/ROCm GPU visible to torch (set TRITON_INTERPRET=1 to run kernels on CPU tensors)"
+
+
+def triton_device_ok(device: torch.device) -> "tuple[bool, str]":
+    """Can a Triton kernel take tensors on ``device``: CUDA/ROCm, or CPU under the interpreter."""
+    if device.type == "cpu" and not triton_interpreter_enabled():
+        return False, "CPU tensors need TRITON_INTERPRET=1"
+    if device.type not in ("cpu", "cuda"):
+        return False, f"device type {device.type!r} is not supported"
+    return True, "ok"
+
+
+def sm_count(device: DeviceLike) -> int:
+    """SMs / CUs of ``device``; on the CPU (interpreter runs) an H100/H200-like 132, so launch
+    policies take the same shape-dependent branches as on a GPU."""
+    info = device_info(device)
+    return info.multiprocessors if info.type == "cuda" else 132
 
 
 def flydsl_available() -> bool:

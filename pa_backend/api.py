@@ -1,9 +1,9 @@
 """Public FP8 paged-attention ops: ``pa_decode``, ``write_kv``, ``pa_prefill`` (DESIGN §4).
 
 Implementations are chosen by ``backend_core.registry``; ``FLYDSL_BACKENDS_PA=torch|triton|flydsl``
-forces one when ``backend="auto"``. Status: the ``torch`` reference serves every call; a Triton
-decode kernel exists (interpreter-tested, not yet run on a GPU, so ``auto`` does not pick it on a
-GPU); Triton write_kv / prefill and the FlyDSL slot are not implemented yet.
+forces one when ``backend="auto"``. Status: the ``torch`` reference serves every call; Triton
+kernels for all three exist (interpreter-tested and compiled for sm_90, not yet run on a GPU, so
+``auto`` does not pick them on a GPU); the FlyDSL slot is not implemented yet.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _run_torch(p):
     return run_attention(p)
 
 
-# The Triton decode kernel has not run on a GPU yet: auto does not pick it there until it has.
+# The Triton kernels have not run on a GPU yet: auto does not pick them there until they have.
 REGISTRY = OpRegistry(
     "pa",
     env_var="FLYDSL_BACKENDS_PA",
@@ -36,7 +36,7 @@ REGISTRY = OpRegistry(
 REGISTRY.register(Implementation("torch", lambda: (True, "always (reference: gather, dequantize, FP32 softmax)"),
                                  lambda p: (True, "ok"), _run_torch, "reference"))
 REGISTRY.register(Implementation("triton", _triton.available, _triton.supports, _triton.run,
-                                 "Triton decode kernel (split-K + reduce)"))
+                                 "Triton kernels (decode/prefill split-K + reduce, write_kv)"))
 REGISTRY.register(Implementation.unavailable("flydsl", "the FlyDSL paged-attention kernels are not implemented yet"))
 
 

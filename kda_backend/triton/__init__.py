@@ -23,21 +23,13 @@ MAX_F_B_RANK = 256
 
 
 def available() -> Tuple[bool, str]:
-    if not platform.triton_available():
-        return False, "triton is not installed (pip install 'flydsl-backends[triton]')"
-    if platform.has_gpu():
-        return True, "triton installed, GPU present"
-    if platform.triton_interpreter_enabled():
-        return True, "triton installed, TRITON_INTERPRET=1 (CPU tensors, interpreted: slow, for tests)"
-    return False, "no CUDA/ROCm GPU visible to torch (set TRITON_INTERPRET=1 to run the kernel on CPU tensors)"
+    return platform.triton_runnable()
 
 
 def supports(p: KDAProblem) -> Tuple[bool, str]:
-    dev = p.device
-    if dev.type == "cpu" and not platform.triton_interpreter_enabled():
-        return False, "CPU tensors need TRITON_INTERPRET=1"
-    if dev.type not in ("cpu", "cuda"):
-        return False, f"device type {dev.type!r} is not supported"
+    ok, why = platform.triton_device_ok(p.device)
+    if not ok:
+        return ok, why
     if p.K not in SUPPORTED_HEAD_DIMS:
         return False, f"head dim K=V={p.K} not in {SUPPORTED_HEAD_DIMS}"
     if p.has_conv and not 2 <= p.W <= 4:
@@ -108,17 +100,13 @@ class _Workspace:
 WORKSPACE = _Workspace()
 
 
-def _sm_count(device: torch.device) -> int:
-    return platform.device_info(device).multiprocessors if device.type == "cuda" else 132
-
-
 def run(p: KDAProblem) -> torch.Tensor:
     if p.B == 0:
         return p.out
     from .kda_decode import kda_decode_kernel  # imports triton
 
     pairs = p.B * p.H
-    cfg = launch_config(p.K, p.R, p.has_f_b, 1 << (pairs - 1).bit_length(), _sm_count(p.device))
+    cfg = launch_config(p.K, p.R, p.has_f_b, 1 << (pairs - 1).bit_length(), platform.sm_count(p.device))
     bv = cfg["BV"]
     nv = p.V // bv
     if nv > 1 and pairs > MAX_SPLIT_PAIRS:

@@ -21,16 +21,13 @@ __all__ = ["available", "supports", "run", "plan_partitions"]
 
 
 def available() -> Tuple[bool, str]:
-    if not platform.triton_available():
-        return False, "triton is not installed (pip install 'flydsl-backends[triton]')"
-    if platform.has_gpu() or platform.triton_interpreter_enabled():
-        return True, "decode / prefill (split-K + reduce) and write_kv kernels"
-    return False, "no CUDA/ROCm GPU visible to torch (set TRITON_INTERPRET=1 to run the kernel on CPU tensors)"
+    return platform.triton_runnable()
 
 
 def supports(p) -> Tuple[bool, str]:
-    if p.device.type == "cpu" and not platform.triton_interpreter_enabled():
-        return False, "CPU tensors need TRITON_INTERPRET=1"
+    ok, why = platform.triton_device_ok(p.device)
+    if not ok:
+        return ok, why
     if p.cache.key_cache.dtype != torch.float8_e4m3fn and not (p.device.type == "cuda" and platform.is_hip()):
         return False, "float8_e4m3fnuz caches need an AMD GPU (the CPU interpreter and NVIDIA have no fnuz)"
     return True, "ok"
@@ -133,7 +130,7 @@ def _run_decode(p: PAProblem) -> torch.Tensor:
         return p.out
     BM = max(16, 1 << (G * QL - 1).bit_length())
     bt, warps = decode_tiling(D, c.block_size, BM)
-    sms = platform.device_info(p.device).multiprocessors if p.device.type == "cuda" else 132
+    sms = platform.sm_count(p.device)
     max_tokens = int(p.block_tables.shape[1]) * c.block_size
     P, nbp = plan_partitions(items, c.Hkv, max_tokens, c.block_size, sms, p.num_partitions or 0)
     ws_m = torch.empty((items, c.Hkv, P, BM), dtype=torch.float32, device=p.device)
