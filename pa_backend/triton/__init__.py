@@ -75,7 +75,7 @@ def _dot_dtype():
 def run(p):
     if isinstance(p, WriteProblem):
         return _run_write(p)
-    return _run_decode(p)
+    return _run_attention(p)
 
 
 def _run_write(p: WriteProblem) -> None:
@@ -114,7 +114,7 @@ def _prefill_chunks(p: PAProblem, rows_per_chunk: int):
     return chunks, len(items), qsl[0], qsl[-1]
 
 
-def _run_decode(p: PAProblem) -> torch.Tensor:
+def _run_attention(p: PAProblem) -> torch.Tensor:
     from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel  # imports triton
 
     c = p.cache
