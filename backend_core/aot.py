@@ -19,7 +19,8 @@ __all__ = ["ptxas_report"]
 
 
 def ptxas_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, object],
-                 divisible: Iterable[str] = (), num_warps: int = 4, capability: int = 90) -> Dict[str, int]:
+                 divisible: Iterable[str] = (), num_warps: int = 4, capability: int = 90,
+                 num_stages: int = 3) -> Dict[str, int]:
     """Compile ``kernel`` (a ``triton.jit`` function) and return its ptxas resource numbers.
 
     ``types``: Triton type strings ("*fp32", "i32", ...) of the runtime arguments; every other
@@ -42,7 +43,7 @@ def ptxas_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, obje
         else:
             raise ValueError(f"ptxas_report: no type or constexpr value for argument {n!r}")
     src = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs), attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps, "num_stages": num_stages})
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])

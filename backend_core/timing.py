@@ -25,7 +25,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
-__all__ = ["Timing", "time_cuda_graph", "copy_bandwidth_gbps", "git_commit", "write_rows", "RESULT_FIELDS",
+__all__ = ["Timing", "time_cuda_graph", "time_eager", "copy_bandwidth_gbps", "git_commit", "write_rows", "RESULT_FIELDS",
            "BenchContext", "bench_context", "result_row"]
 
 
@@ -67,7 +67,33 @@ def time_cuda_graph(fn: Callable[[int], object], *, inner: int = 20, trials: int
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3 / inner)
-    times.sort()
+    return _timing(times, trials, inner)
+
+
+def time_eager(fn: Callable[[int], object], *, trials: int = 30, warmup: int = 3,
+                device: Optional[torch.device] = None) -> Timing:
+    """Median time of eager calls ``fn(i)``, CUDA events around each call (host work included):
+    for ops that cannot be captured in a graph, e.g. a prefill that reads its metadata on the host."""
+    if trials < 1:
+        raise ValueError(f"trials must be >= 1, got {trials}")
+    device = device or torch.device("cuda", torch.cuda.current_device())
+    for w in range(warmup):
+        fn(w)
+    torch.cuda.synchronize(device)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    times: List[float] = []
+    for i in range(trials):
+        start.record()
+        fn(i)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return _timing(times, trials, 1)
+
+
+def _timing(times: List[float], trials: int, inner: int) -> Timing:
+    times = sorted(times)
     q = lambda f: times[min(len(times) - 1, int(f * len(times)))]  # noqa: E731
     return Timing(statistics.median(times), q(0.1), q(0.9), trials, inner)
 

@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, verify, and the KDA benchmark. Usage (on the device machine, repo root):
-#   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh [tests|verify|bench|all]
-# Optional wheels (fla-core for the composed baseline) travel in .whl/ and go to /tmp/site.
+# One device call running any of: tests-kda tests-pa verify bench-kda bench-pa sweep-pa (default: all
+# but the sweep). Usage (on the device machine, repo root):
+#   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
+# Optional wheels (fla-core for the composed KDA baseline) travel in .whl/ and go to /tmp/site.
+# Each step's output goes to $OUT/<step>.txt; bench CSVs to $OUT/<op>_bench.csv.
 set -u
-what=${1:-all}
+steps=${*:-tests-kda tests-pa verify bench-kda bench-pa}
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -13,16 +15,18 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 rc=0
-if [ "$what" = all ] || [ "$what" = tests ]; then
-  python3 -m pytest -q -m gpu -x kda_backend pa_backend -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.txt" | tail -15
-  rc=$((rc | ${PIPESTATUS[0]}))
-fi
-if [ "$what" = all ] || [ "$what" = verify ]; then
-  python3 -m flydsl_backends verify 2>&1 | tee "$out/verify.txt" | tail -45
-  rc=$((rc | ${PIPESTATUS[0]}))
-fi
-if [ "$what" = all ] || [ "$what" = bench ]; then
-  python3 -m flydsl_backends bench kda --out "$out/kda_bench.csv" 2>&1 | tee "$out/bench.txt"
-  rc=$((rc | ${PIPESTATUS[0]}))
-fi
+for step in $steps; do
+  echo "=== $step ($(date -u +%T))"
+  case $step in
+    tests-kda|tests-pa) cmd=(python3 -m pytest -q -m gpu "${step#tests-}_backend" -p no:cacheprovider -rf) ;;
+    verify) cmd=(python3 -m flydsl_backends verify) ;;
+    bench-kda|bench-pa) cmd=(python3 -m flydsl_backends bench "${step#bench-}" --out "$out/${step#bench-}_bench.csv") ;;
+    sweep-pa) cmd=(python3 benchmarks/sweep_pa_triton.py "${SWEEP_SECONDS:-300}") ;;
+    *) echo "unknown step $step"; rc=2; continue ;;
+  esac
+  "${cmd[@]}" > "$out/$step.txt" 2>&1
+  s=$?
+  tail -40 "$out/$step.txt"
+  rc=$((rc | s))
+done
 exit $rc

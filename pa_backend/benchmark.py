@@ -1,4 +1,4 @@
-"""``flydsl-backends bench pa``: FP8 paged decode timed by CUDA-graph replay.
+"""``flydsl-backends bench pa``: FP8 paged decode timed by CUDA-graph replay, and prefill.
 
 Caches are built on the device (random FP8 bytes drawn from a normal, random block permutation),
 so the 10 GB configurations start in seconds. Logical bytes = the K and V bytes of every context
@@ -14,9 +14,11 @@ from typing import Dict, List, Sequence, Tuple
 import torch
 import torch.nn.functional as F
 
-from backend_core.timing import bench_context, result_row, time_cuda_graph
+from backend_core.timing import bench_context, result_row, time_cuda_graph, time_eager
 
-__all__ = ["bench_case", "gather_sdpa", "run_bench", "DEFAULT_CONFIGS", "kv_bytes"]
+from .verify import ACCURACY_TARGET
+
+__all__ = ["bench_case", "gather_sdpa", "run_bench", "accuracy", "DEFAULT_CONFIGS", "PREFILL_CONFIGS", "kv_bytes"]
 
 # (B, context, query_length, Hq, Hkv, D, block_size, scales): the issue's targets, then variants
 DEFAULT_CONFIGS: List[Tuple[int, int, int, int, int, int, int, str]] = [
@@ -90,33 +92,95 @@ def gather_sdpa(query, key_cache, value_cache, block_tables, context_lengths, ke
     return o.transpose(1, 2).reshape(B * query_length, Hq, D)
 
 
+# Prefill (B sequences, prefix tokens already cached, new tokens, Hq, Hkv, D, block_size, scales):
+# chunked prefill behind a prefix, and a fresh prompt batch, for a GQA-8 model.
+PREFILL_CONFIGS: List[Tuple[int, int, int, int, int, int, int, str]] = [
+    (4, 6144, 2048, 32, 8, 128, 16, "tensor"),
+    (8, 0, 1024, 32, 8, 128, 16, "tensor"),
+]
+
+
+def accuracy(kw: Dict[str, object], out: torch.Tensor, seqs: int = 2) -> float:
+    """Relative error of ``out`` on the first ``seqs`` sequences against the float64 reference on
+    the same (dequantized) cache."""
+    import dataclasses
+
+    from .contract import prepare_attention
+    from .reference import run_attention
+
+    sub = dict(kw)
+    n = min(seqs, int(kw["block_tables"].shape[0]))
+    rows = (int(kw["query_start_loc"][n]) if "query_start_loc" in kw else n * int(kw["query_length"]))
+    sub.update(query=kw["query"][:rows], block_tables=kw["block_tables"][:n], context_lengths=kw["context_lengths"][:n])
+    if "query_start_loc" in kw:
+        sub["query_start_loc"] = kw["query_start_loc"][:n + 1]
+    ref = torch.empty(sub["query"].shape, dtype=torch.float64, device=out.device)
+    p = prepare_attention(**sub, prefill="query_start_loc" in kw)
+    run_attention(dataclasses.replace(p, out=ref), compute_dtype=torch.float64)
+    return ((out[:rows].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _baseline_fits(B: int, ctx: int, Hkv: int, D: int, ql: int, Hq: int) -> Tuple[bool, str]:
+    need = 8 * B * ctx * Hkv * D + 4 * B * Hq * ql * ctx  # bf16 K, V and their dequantized copies; the scores
+    free = torch.cuda.mem_get_info()[0]
+    if need > 0.6 * free:
+        return False, f"baseline needs ~{need / 2**30:.0f} GiB of temporaries, {free / 2**30:.0f} GiB free"
+    return True, ""
+
+
 def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] = ("triton",), trials: int = 30,
-              baseline: bool = True, progress=print) -> List[Dict[str, object]]:
-    from . import pa_decode
+              baseline: bool = True, prefill_configs: Sequence[Tuple] = PREFILL_CONFIGS,
+              progress=print) -> List[Dict[str, object]]:
+    """Decode rows (CUDA-graph replay, median of ``trials``) and prefill rows (eager: the Triton
+    prefill reads its metadata on the host), each implementation's accuracy in the notes."""
+    from . import pa_decode, pa_prefill
 
     run = bench_context(progress)
     dev, copy = run.device, run.copy_gbps
     rows: List[Dict[str, object]] = []
-    for (B, ctx, ql, Hq, Hkv, D, bs, scales) in configs:
-        kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, dev)
-        nbytes = kv_bytes(B, ctx, Hkv, D, scales)
-        shape = f"B={B} ctx={ctx} ql={ql} Hq={Hq} Hkv={Hkv} D={D} page={bs} scales={scales}"
+    jobs = [("pa_decode", c) for c in configs] + [("pa_prefill", c) for c in prefill_configs]
+    for op, (B, ctx, ql, Hq, Hkv, D, bs, scales) in jobs:
+        prefill = op == "pa_prefill"
+        if prefill:  # ctx is the cached prefix, ql the new tokens
+            total, new = ctx + ql, ql
+        else:
+            total, new = ctx, ql
+        kw = bench_case(B, total, new, Hq, Hkv, D, bs, scales, dev)
+        if prefill:
+            kw.pop("query_length")
+            kw["query_start_loc"] = torch.arange(0, B + 1, dtype=torch.int32, device=dev) * new
+        nbytes = kv_bytes(B, total, Hkv, D, scales)
+        flops = 4 * B * Hq * D * sum(total - new + 1 + i for i in range(new))
+        shape = (f"B={B} ctx={total} ql={new} Hq={Hq} Hkv={Hkv} D={D} page={bs} scales={scales}"
+                 + (f" prefix={ctx}" if prefill else ""))
         out = torch.empty_like(kw["query"])
-        fns = {impl: (lambda i, impl=impl: pa_decode(**kw, out=out, backend=impl)) for impl in impls}
+        call = pa_prefill if prefill else pa_decode
+        fns = {impl: (lambda i, impl=impl: call(**kw, out=out, backend=impl)) for impl in impls}
         if baseline:
-            fns["torch_gather_sdpa"] = lambda i: gather_sdpa(**kw)
-        line = f"  {shape}:"
+            fits, why = _baseline_fits(B, total, Hkv, D, new, Hq)
+            if fits:
+                fns["torch_gather_sdpa"] = lambda i: gather_sdpa(**{**kw, "query_length": new})
+            else:
+                progress(f"  {shape}: torch_gather_sdpa skipped ({why})")
+        line = f"  {op} {shape}:"
         for name, fn in fns.items():
             try:
-                t = time_cuda_graph(fn, inner=2, trials=trials, device=dev)
-            except Exception as exc:  # e.g. the baseline running out of memory at 200k
+                res = fn(0)
+                err = accuracy(kw, res)
+                t = (time_eager(fn, trials=trials, device=dev) if prefill
+                     else time_cuda_graph(fn, inner=2, trials=trials, device=dev))
+            except Exception as exc:
                 progress(f"  {shape}: {name} failed: {type(exc).__name__}: {exc}")
                 continue
             gbps = nbytes / (t.median_us * 1e-6) / 1e9
-            rows.append(result_row(run, "pa_decode", name, shape, t, nbytes,
-                                   "logical bytes = FP8 K+V (+ per-token scales) read once"))
-            line += f" {name} {t.median_us:.1f} us ({100 * gbps / copy:.0f}% of copy)"
+            tflops = flops / (t.median_us * 1e-6) / 1e12
+            ok = "meets" if err <= ACCURACY_TARGET else "MISSES"
+            note = (f"rel_err={err:.2e} ({ok} {ACCURACY_TARGET:g}; first 2 sequences vs float64 reference); "
+                    f"{tflops:.1f} TFLOP/s; logical bytes = FP8 K+V (+ per-token scales) read once"
+                    + ("; eager timing" if prefill else ""))
+            rows.append(result_row(run, op, name, shape, t, nbytes, note))
+            line += f" {name} {t.median_us:.1f} us ({100 * gbps / copy:.0f}% of copy, err {err:.1e})"
         progress(line)
-        del kw, out
+        del kw, out, fns
         torch.cuda.empty_cache()
     return rows

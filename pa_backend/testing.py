@@ -102,8 +102,12 @@ def make_pa_case(
     # K/V of every token, written through the reference writer (values span the FP8 range)
     total = sum(context_lengths)
     if total:
-        key = (torch.randn(total, Hkv, D, generator=g) * 0.02 * fp8_max(fp8_dtype) / 3).to(act_dtype).to(device)
-        value = (torch.randn(total, Hkv, D, generator=g) * 0.015 * fp8_max(fp8_dtype) / 3).to(act_dtype).to(device)
+        # drawn on the device when it is a GPU (the H200 grid writes millions of tokens per case)
+        gk = g if device.type == "cpu" else torch.Generator(device=device).manual_seed(seed)
+        key = (torch.randn(total, Hkv, D, generator=gk, device=gk.device) * 0.02 * fp8_max(fp8_dtype) / 3
+               ).to(act_dtype).to(device)
+        value = (torch.randn(total, Hkv, D, generator=gk, device=gk.device) * 0.015 * fp8_max(fp8_dtype) / 3
+                 ).to(act_dtype).to(device)
         slot_mapping = torch.cat([tables[s, torch.arange(c, device=device) // block_size].long() * block_size
                                   + torch.arange(c, device=device) % block_size
                                   for s, c in enumerate(context_lengths)])

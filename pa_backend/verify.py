@@ -11,9 +11,14 @@ import torch
 from .reference import run_attention
 from .testing import make_pa_case
 
-__all__ = ["verify_grid", "run_verify", "OUT_TOL"]
+__all__ = ["verify_grid", "run_verify", "OUT_TOL", "ACCURACY_TARGET", "tolerance"]
 
-OUT_TOL = 8e-3  # one bf16 rounding of the output (the accuracy target is 3e-3 on real shapes)
+ACCURACY_TARGET = 3e-3  # relative error vs the reference on the dequantized cache, compiled kernels
+OUT_TOL = 8e-3  # the CPU interpreter: bf16 stores truncate and dots take fp16 operands
+
+
+def tolerance(device: torch.device) -> float:
+    return ACCURACY_TARGET if torch.device(device).type == "cuda" else OUT_TOL
 
 
 def verify_grid(small: bool) -> List[Dict[str, object]]:
@@ -60,7 +65,7 @@ def run_verify(impls: Sequence[str], device: torch.device, small: bool) -> List[
                 out = case.call(impl, out=torch.full_like(kw["query"], float("nan")))
                 finite = bool(torch.isfinite(out).all())
                 err = ((out.double() - ref_out).norm() / ref_out.norm().clamp_min(1e-30)).item()
-                res.update(out_err=err, ok=finite and err <= OUT_TOL)
+                res.update(out_err=err, ok=finite and err <= tolerance(device))
                 if not finite:
                     res["error"] = "non-finite output"
             except Exception as exc:

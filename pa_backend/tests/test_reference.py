@@ -105,3 +105,22 @@ def test_benchmark_baseline_matches_reference(ql, scales, Hq):
     ref = pa_decode(**kw, backend="torch").double()
     base = gather_sdpa(**kw).double()
     assert ((base - ref).norm() / ref.norm()).item() < 2e-2
+    from pa_backend.benchmark import accuracy
+
+    assert accuracy(kw, ref.to(torch.bfloat16)) < 5e-3  # the bench's accuracy column: bf16 rounding only
+    assert accuracy(kw, torch.zeros_like(kw["query"])) == pytest.approx(1.0)
+
+
+def test_benchmark_prefill_baseline_and_accuracy():
+    """Prefill rows of the bench: equal new-token counts behind a prefix; the baseline's causal mask
+    is offset by the prefix like the op's."""
+    from pa_backend import pa_prefill
+    from pa_backend.benchmark import accuracy, bench_case, gather_sdpa
+
+    kw = bench_case(2, 48, 20, 4, 2, 64, 16, "tensor", "cpu")
+    kw.pop("query_length")
+    kw["query_start_loc"] = torch.tensor([0, 20, 40], dtype=torch.int32)
+    ref = pa_prefill(**kw, backend="torch")
+    assert accuracy(kw, ref) < 5e-3
+    base = gather_sdpa(**{**kw, "query_length": 20}).double()
+    assert ((base - ref.double()).norm() / ref.double().norm()).item() < 2e-2

@@ -9,6 +9,7 @@ Status: tested under TRITON_INTERPRET=1 and compiled for sm_90 on CPU; NOT yet r
 from __future__ import annotations
 
 import functools
+import os
 from typing import Tuple
 
 import torch
@@ -16,8 +17,9 @@ import torch
 from backend_core import platform
 from ..contract import PAProblem, WriteProblem
 from ..fp8 import fp8_max
+from ..planner import PROGRAMS_PER_SM, plan_partitions, work_rows, workspace
 
-__all__ = ["available", "supports", "run", "plan_partitions"]
+__all__ = ["available", "supports", "run", "decode_tiling", "reduce_warps"]
 
 
 def available() -> Tuple[bool, str]:
@@ -33,33 +35,37 @@ def supports(p) -> Tuple[bool, str]:
     return True, "ok"
 
 
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise ValueError(f"{name}={raw!r}: expected a positive integer")
+    return v
+
+
 @functools.lru_cache(maxsize=1024)
-def plan_partitions(num_seqs: int, Hkv: int, max_tokens: int, block_size: int, sms: int,
-                    requested: int = 0) -> Tuple[int, int]:
-    """(P partitions, NBP blocks per partition) from shapes only: graph-stable, no data read.
-
-    Aim for num_seqs * Hkv * P >= 2 programs per SM with >= 256 tokens per partition; NBP is
-    rounded up to a power of two (it is a compile-time loop count, so this bounds the number of
-    specializations). ``requested`` (num_partitions) replaces the target count.
-    """
-    blocks = max(1, -(-max_tokens // block_size))
-    if requested:
-        target = requested
-    else:
-        target = -(-2 * max(sms, 1) // max(num_seqs * Hkv, 1))
-        target = min(target, max(1, -(-max_tokens // 256)))
-    target = max(1, min(target, blocks))
-    nbp = 1 << (-(-blocks // target) - 1).bit_length()
-    return -(-blocks // nbp), nbp
-
-
-def decode_tiling(D: int, block_size: int, BM: int) -> Tuple[int, int]:
-    """(BT tokens per tile, warps) of the partition kernel. The live tiles (K or V [BT, D], acc
-    [BM, D], S [BM, BT]) must fit a thread's registers: the sm_90 resource test checks every
-    shipped shape for spills."""
+def decode_tiling(D: int, block_size: int, BM: int) -> Tuple[int, int, int]:
+    """(BT tokens per tile, warps, pipeline stages) of the partition kernel. The live tiles (K or V
+    [BT, D], acc [BM, D], S [BM, BT]) must fit a thread's registers: the sm_90 resource test checks
+    every shipped shape for spills. FLYDSL_BACKENDS_PA_TRITON_BT / _WARPS / _STAGES override them
+    for tuning sweeps (call ``decode_tiling.cache_clear()`` after changing them)."""
     bt = min(block_size, 64 if D <= 128 else 32)
     live = bt * D + BM * D + BM * bt
-    return bt, 4 if live <= 12288 else 8
+    bt = _env_int("FLYDSL_BACKENDS_PA_TRITON_BT", bt)
+    if bt > block_size or block_size % bt or bt & (bt - 1) or bt < 16:
+        raise ValueError(f"FLYDSL_BACKENDS_PA_TRITON_BT={bt}: expected a power of two >= 16 dividing {block_size}")
+    return (bt, _env_int("FLYDSL_BACKENDS_PA_TRITON_WARPS", 4 if live <= 12288 else 8),
+            _env_int("FLYDSL_BACKENDS_PA_TRITON_STAGES", 3))
+
+
+def programs_per_sm() -> int:
+    """The planner's programs-per-SM target (FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM overrides it)."""
+    return _env_int("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", PROGRAMS_PER_SM)
 
 
 def reduce_warps(D: int, BM: int) -> int:
@@ -128,14 +134,13 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         p.out[r_end:].zero_()
     if items == 0:
         return p.out
-    BM = max(16, 1 << (G * QL - 1).bit_length())
-    bt, warps = decode_tiling(D, c.block_size, BM)
+    BM = work_rows(G, QL)
+    bt, warps, stages = decode_tiling(D, c.block_size, BM)
     sms = platform.sm_count(p.device)
     max_tokens = int(p.block_tables.shape[1]) * c.block_size
-    P, nbp = plan_partitions(items, c.Hkv, max_tokens, c.block_size, sms, p.num_partitions or 0)
-    ws_m = torch.empty((items, c.Hkv, P, BM), dtype=torch.float32, device=p.device)
-    ws_l = torch.empty_like(ws_m)
-    ws_acc = torch.empty((items, c.Hkv, P, BM, D), dtype=torch.float32, device=p.device)
+    P, nbp = plan_partitions(items, c.Hkv, max_tokens, c.block_size, sms, p.num_partitions or 0,
+                             programs_per_sm())
+    ws_m, ws_l, ws_acc = workspace(p.device, items, c.Hkv, P, BM, D)
     kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
     pa_decode_partition_kernel[(items, c.Hkv, P)](
         p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc,
@@ -148,7 +153,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         p.block_tables.stride(0),
         HKV=c.Hkv, G=G, QL=QL, BM=BM, D=D, BS=c.block_size, NBP=nbp, BT=bt, DOT_DTYPE=_dot_dtype(),
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
-        num_warps=warps,
+        num_warps=warps, num_stages=stages,
     )
     pa_decode_reduce_kernel[(items, c.Hkv)](
         ws_m, ws_l, ws_acc, p.sinks if p.sinks is not None else ws_m, p.out, p.context_lengths, chunks,

@@ -40,17 +40,18 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
     if kernel == "partition":
         from . import decode_tiling
 
-        bt, warps = decode_tiling(D, block_size, BM)
+        bt, warps, stages = decode_tiling(D, block_size, BM)
         constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, BS=block_size, NBP=NBP, BT=bt, DOT_DTYPE=tl.bfloat16, V5D=v5d,
                           K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged)
     elif kernel == "write":
         constexprs = dict(D=D, BS=block_size, FMAX=448.0, MIN_EXP=-6, V5D=v5d, K_PER_TOKEN=per_token,
                           V_PER_TOKEN=per_token)
         warps = 1 if D <= 128 else 2
+        stages = 3
     else:
         from . import reduce_warps
 
         constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, P=8, HAS_SINKS=True, RAGGED=ragged)
-        warps = reduce_warps(D, BM)
+        warps, stages = reduce_warps(D, BM), 3
     divisible = [n for n in types if n.startswith(("p_", "stride_"))]
-    return _ptxas_report(fn, types, constexprs, divisible, warps)
+    return _ptxas_report(fn, types, constexprs, divisible, warps, num_stages=stages)
