@@ -24,7 +24,7 @@ for step in $steps; do
     sweep-pa) cmd=(python3 benchmarks/sweep_pa_triton.py "${SWEEP_SECONDS:-300}") ;;
     *) echo "unknown step $step"; rc=2; continue ;;
   esac
-  "${cmd[@]}" > "$out/$step.txt" 2>&1
+  timeout "${STEP_TIMEOUT:-900}" "${cmd[@]}" > "$out/$step.txt" 2>&1
   s=$?
   tail -40 "$out/$step.txt"
   rc=$((rc | s))

@@ -49,17 +49,19 @@ def _env_int(name: str, default: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def decode_tiling(D: int, block_size: int, BM: int) -> Tuple[int, int, int]:
-    """(BT tokens per tile, warps, pipeline stages) of the partition kernel. The live tiles (K or V
-    [BT, D], acc [BM, D], S [BM, BT]) must fit a thread's registers: the sm_90 resource test checks
-    every shipped shape for spills. FLYDSL_BACKENDS_PA_TRITON_BT / _WARPS / _STAGES override them
-    for tuning sweeps (call ``decode_tiling.cache_clear()`` after changing them)."""
-    bt = min(block_size, 64 if D <= 128 else 32)
-    live = bt * D + BM * D + BM * bt
+def decode_tiling(D: int, BM: int) -> Tuple[int, int, int]:
+    """(BT tokens per tile, warps, pipeline stages) of the partition kernel (BT is capped at the
+    partition's length by the caller). The live tiles (K or V [BT, D], acc [BM, D], S [BM, BT])
+    must fit a thread's registers: the sm_90 resource test checks every shipped shape for spills.
+    FLYDSL_BACKENDS_PA_TRITON_BT / _WARPS / _STAGES override them for tuning sweeps (call
+    ``decode_tiling.cache_clear()`` after changing them)."""
+    bt = (64 if D <= 128 else 32) // (2 if BM * D > 8192 else 1)
     bt = _env_int("FLYDSL_BACKENDS_PA_TRITON_BT", bt)
-    if bt > block_size or block_size % bt or bt & (bt - 1) or bt < 16:
-        raise ValueError(f"FLYDSL_BACKENDS_PA_TRITON_BT={bt}: expected a power of two >= 16 dividing {block_size}")
-    return (bt, _env_int("FLYDSL_BACKENDS_PA_TRITON_WARPS", 4 if live <= 12288 else 8),
+    if bt & (bt - 1) or bt < 16:
+        raise ValueError(f"FLYDSL_BACKENDS_PA_TRITON_BT={bt}: expected a power of two >= 16")
+    # the gathered [BT, D] tiles carry 64-bit addresses: count them twice
+    live = 3 * bt * D + BM * D + BM * bt
+    return (bt, _env_int("FLYDSL_BACKENDS_PA_TRITON_WARPS", 4 if live <= 16384 else 8),
             _env_int("FLYDSL_BACKENDS_PA_TRITON_STAGES", 3))
 
 
@@ -72,7 +74,7 @@ def reduce_warps(D: int, BM: int) -> int:
     return 4 if BM * D <= 8192 else 8
 
 
-def _dot_dtype():
+def _qk_dtype():
     import triton.language as tl
 
     return tl.float16 if platform.triton_interpreter_enabled() else tl.bfloat16
@@ -121,6 +123,8 @@ def _prefill_chunks(p: PAProblem, rows_per_chunk: int):
 
 
 def _run_attention(p: PAProblem) -> torch.Tensor:
+    import triton.language as tl
+
     from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel  # imports triton
 
     c = p.cache
@@ -135,11 +139,12 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
     if items == 0:
         return p.out
     BM = work_rows(G, QL)
-    bt, warps, stages = decode_tiling(D, c.block_size, BM)
+    bt, warps, stages = decode_tiling(D, BM)
     sms = platform.sm_count(p.device)
     max_tokens = int(p.block_tables.shape[1]) * c.block_size
     P, nbp = plan_partitions(items, c.Hkv, max_tokens, c.block_size, sms, p.num_partitions or 0,
                              programs_per_sm())
+    bt = min(bt, nbp * c.block_size)  # both powers of two: the tile count per partition is exact
     ws_m, ws_l, ws_acc = workspace(p.device, items, c.Hkv, P, BM, D)
     kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
     pa_decode_partition_kernel[(items, c.Hkv, P)](
@@ -151,7 +156,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         ks.stride(0) if c.k_per_token else 0, ks.stride(1) if c.k_per_token else 0,
         vs.stride(0) if c.v_per_token else 0, vs.stride(1) if c.v_per_token else 0,
         p.block_tables.stride(0),
-        HKV=c.Hkv, G=G, QL=QL, BM=BM, D=D, BS=c.block_size, NBP=nbp, BT=bt, DOT_DTYPE=_dot_dtype(),
+        HKV=c.Hkv, G=G, QL=QL, BM=BM, D=D, BS=c.block_size, NBP=nbp, BT=bt, QK_DTYPE=_qk_dtype(), PV_DTYPE=tl.float16,
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
         num_warps=warps, num_stages=stages,
     )

@@ -5,18 +5,21 @@
 # Partition kernel, grid (num_seqs, Hkv, P). Program (s, h, p) owns KV head h of sequence s and the
 # token range [p*PT, (p+1)*PT) (PT = NBP blocks), clipped to the context. P and NBP are
 # compile-time constants chosen from shapes only (the table width), so a captured graph replays
-# with any context lengths. The M
-# dimension of its dots is the GQA group times the query rows: row m = i*G + g is query row i of
-# the sequence for query head h*G + g (M = G*QL padded to BM >= 16), so one KV read serves every
-# query head that shares it. Per cache block it reads K as a [BS, D] tile straight from the
-# x-packed layout (16 FP8 bytes per (d//16, token) chunk), widens FP8 -> BF16 in registers (exact),
-# forms S = Q K^T on the tensor cores in FP32, applies the per-token K scale (or the per-tensor one)
-# and the causal / sliding-window mask, updates an online softmax (m, l, acc [BM, D] FP32 in
-# registers), and multiplies P (scaled by the V scale, rounded to BF16) with the V tile read from
-# either V layout. The query is never rounded to FP8.
-# Table entries are read only for blocks that hold tokens of the partition, so stale ids past a
-# sequence's extent are never dereferenced; masked tokens never contribute, so NaN bytes in unused
-# slots of a live page are selected away by `where` before any arithmetic that could spread them.
+# with any context lengths. The M dimension of its dots is the GQA group times the query rows:
+# row m = i*G + g is query row i of the sequence for query head h*G + g (M = G*QL padded to
+# BM >= 16), so one KV read serves every query head that shares it.
+# The loop walks token tiles of BT tokens (64 for D <= 128: a tile spans several 16-token pages,
+# each token's block id gathered from the table, so every iteration has 8-16 KB of K and V loads
+# in flight). K is read as a [BT, D] tile straight from the x-packed layout (16 FP8 bytes per
+# (d//16, token) chunk) and widened FP8 -> BF16 in registers (exact); S = Q K^T runs on the tensor
+# cores with FP32 accumulation, in log2 units (exp2), with the per-token K scale or the per-tensor
+# one folded in, then the causal / sliding-window mask and an online softmax (m, l, acc [BM, D]
+# FP32 in registers). P @ V runs in FP16 (FP8 values are exact in FP16; P in [0, 1] keeps 11
+# bits, 8x finer than BF16): the per-tensor V scale multiplies acc once at the end, a per-token
+# one multiplies P's columns first. The query is never rounded to FP8.
+# Table entries are read only for tokens of the partition, so stale ids past a sequence's extent
+# are never dereferenced; masked tokens never contribute, so NaN bytes in unused slots of a live
+# page are selected away by `where` before any arithmetic that could spread them.
 #
 # Prefill (ragged) reuses both kernels with RAGGED=1: the work items are chunks of at most QL
 # query rows of one sequence (host-built metadata), each behaving like a decode sequence whose
@@ -26,9 +29,9 @@
 # adds exp(sink - m) to the denominator when sinks are given, and writes the BM valid rows (zero
 # when no token was attended).
 #
-# DOT_DTYPE is bfloat16 on GPUs; Triton 3.6's CPU interpreter multiplies bfloat16 dot operands as
+# QK_DTYPE is bfloat16 on GPUs; Triton 3.6's CPU interpreter multiplies bfloat16 dot operands as
 # raw bit patterns, so under TRITON_INTERPRET=1 the wrapper passes float16 instead (exact for FP8
-# values; the query and P are in range).
+# values; the test queries are in range).
 #
 # Offsets: block ids and row offsets are int64 (caches > 2 GiB); offsets inside one block are int32.
 
@@ -66,7 +69,7 @@ def pa_decode_partition_kernel(
     stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
     stride_bt_s,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    NBP: tl.constexpr, BT: tl.constexpr, DOT_DTYPE: tl.constexpr, V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr,
+    NBP: tl.constexpr, BT: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr,
     V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
 ):
     i_s = tl.program_id(0).to(tl.int64)
@@ -81,7 +84,7 @@ def pa_decode_partition_kernel(
     seq, q0, nrows, ctx = _rows_of(p_cl, p_chunks, i_s, QL, RAGGED)
     m_valid = (o_m < G * QL) & (row < nrows)
     p_qrow = p_q + (q0 + row)[:, None] * stride_q_t + (i_h * G + grp)[:, None] * stride_q_h + o_d[None, :]
-    b_q = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(DOT_DTYPE)
+    b_q = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(QK_DTYPE)
     last = ctx - nrows + row  # row sees tokens 0..last
     first = tl.where(sliding_window > 0, last - sliding_window + 1, 0)
 
@@ -90,48 +93,47 @@ def pa_decode_partition_kernel(
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, D], dtype=tl.float32)
+    qk_scale = softmax_scale * 1.4426950408889634  # scores in log2 units: exp2 below
     if not K_PER_TOKEN:
-        k_scale = tl.load(p_ks)
-    if not V_PER_TOKEN:
-        v_scale = tl.load(p_vs)
-    # Token tiles of BT <= BS tokens (a 128-token block is read in sub-tiles so the tiles fit in
-    # registers). A constexpr trip count (NBP blocks per partition; the planner keeps it a power
-    # of two): tiles past the context are masked, so their table entries are never dereferenced.
-    for jt in tl.range(0, NBP * (BS // BT)):
-        tile_start = start + jt * BT
-        has = tile_start < end
-        b = tl.load(p_bt + seq * stride_bt_s + tile_start // BS, mask=has, other=0).to(tl.int64)
-        t_in = tile_start % BS + o_t  # offsets inside the block
-        tok = tile_start + o_t
+        qk_scale = qk_scale * tl.load(p_ks)
+    # Token tiles of BT tokens: a tile spans BT / BS blocks (BT >= BS) or a part of one (BT < BS);
+    # each token's block id is gathered from the table, masked past the partition's end, so table
+    # entries past the context are never dereferenced. Constexpr trip count (NBP * BS / BT).
+    for jt in tl.range(0, (NBP * BS) // BT):
+        tok = start + jt * BT + o_t
+        live_t = tok < end
+        b = tl.load(p_bt + seq * stride_bt_s + tok // BS, mask=live_t, other=0).to(tl.int64)  # [BT]
+        t_in = tok % BS  # offsets inside the block
         # K tile [BT, D] from key_cache[b, h, d // 16, t, d % 16]
-        o_k_tile = (o_d // 16)[None, :] * stride_kc_c + t_in[:, None] * stride_kc_t + (o_d % 16)[None, :]
+        p_k = p_kc + i_h * stride_kc_h + (b * stride_kc_b + t_in * stride_kc_t)[:, None] \
+            + ((o_d // 16) * stride_kc_c + o_d % 16)[None, :]
         if V5D:  # value_cache[b, h, t // 16, d, t % 16]
-            o_v_tile = (t_in // 16)[:, None] * stride_vc_2 + o_d[None, :] * stride_vc_3 + (t_in % 16)[:, None]
+            p_v = p_vc + i_h * stride_vc_h + (b * stride_vc_b + (t_in // 16) * stride_vc_2 + t_in % 16)[:, None] \
+                + (o_d * stride_vc_3)[None, :]
         else:  # value_cache[b, h, d, t]
-            o_v_tile = o_d[None, :] * stride_vc_2 + t_in[:, None] * stride_vc_3
-        b_k = tl.load(p_kc + b * stride_kc_b + i_h * stride_kc_h + o_k_tile, mask=has, other=0.0).to(DOT_DTYPE)
-        b_s = tl.dot(b_q, tl.trans(b_k)) * softmax_scale
+            p_v = p_vc + i_h * stride_vc_h + (b * stride_vc_b + t_in * stride_vc_3)[:, None] \
+                + (o_d * stride_vc_2)[None, :]
+        b_k = tl.load(p_k, mask=live_t[:, None], other=0.0).to(QK_DTYPE)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
         if K_PER_TOKEN:
-            b_s = b_s * tl.load(p_ks + b * stride_ks_b + i_h * stride_ks_h + t_in, mask=has, other=0.0)[None, :]
-        else:
-            b_s = b_s * k_scale
-        allowed = (tok[None, :] <= last[:, None]) & (tok[None, :] >= first[:, None]) & (tok < end)[None, :] \
+            b_s = b_s * tl.load(p_ks + b * stride_ks_b + i_h * stride_ks_h + t_in, mask=live_t, other=0.0)[None, :]
+        allowed = (tok[None, :] <= last[:, None]) & (tok[None, :] >= first[:, None]) & live_t[None, :] \
             & m_valid[:, None]
         b_s = tl.where(allowed, b_s, float("-inf"))
         m_new = tl.maximum(b_m, tl.max(b_s, 1))
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        b_p = tl.exp(b_s - m_base[:, None])
-        alpha = tl.exp(b_m - m_base)
+        b_p = tl.exp2(b_s - m_base[:, None])
+        alpha = tl.exp2(b_m - m_base)
         b_l = b_l * alpha + tl.sum(b_p, 1)
-        b_v = tl.load(p_vc + b * stride_vc_b + i_h * stride_vc_h + o_v_tile, mask=has, other=0.0)
-        b_v = tl.where(tok[:, None] < end, b_v.to(tl.float32), 0.0).to(DOT_DTYPE)  # NaN bytes past the context
+        b_v = tl.load(p_v, mask=live_t[:, None], other=0.0)
+        b_v = tl.where(live_t[:, None], b_v.to(tl.float32), 0.0).to(PV_DTYPE)  # NaN bytes past the context
         if V_PER_TOKEN:
-            b_pv = b_p * tl.load(p_vs + b * stride_vs_b + i_h * stride_vs_h + t_in, mask=has & (tok < end),
-                                 other=0.0)[None, :]
-        else:
-            b_pv = b_p * v_scale
-        b_acc = b_acc * alpha[:, None] + tl.dot(b_pv.to(DOT_DTYPE), b_v)
+            b_p = b_p * tl.load(p_vs + b * stride_vs_b + i_h * stride_vs_h + t_in, mask=live_t, other=0.0)[None, :]
+        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(PV_DTYPE), b_v)
         b_m = m_new
+    if not V_PER_TOKEN:
+        b_acc = b_acc * tl.load(p_vs)
+    b_m = b_m * 0.6931471805599453  # back to natural-log units for the reduce (and the sinks)
     ws = ((i_s * HKV + i_h) * P + i_p) * BM
     tl.store(p_ws_m + ws + o_m, b_m)
     tl.store(p_ws_l + ws + o_m, b_l)

@@ -40,8 +40,9 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
     if kernel == "partition":
         from . import decode_tiling
 
-        bt, warps, stages = decode_tiling(D, block_size, BM)
-        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, BS=block_size, NBP=NBP, BT=bt, DOT_DTYPE=tl.bfloat16, V5D=v5d,
+        bt, warps, stages = decode_tiling(D, BM)
+        bt = min(bt, NBP * block_size)
+        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, BS=block_size, NBP=NBP, BT=bt, QK_DTYPE=tl.bfloat16, PV_DTYPE=tl.float16, V5D=v5d,
                           K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged)
     elif kernel == "write":
         constexprs = dict(D=D, BS=block_size, FMAX=448.0, MIN_EXP=-6, V5D=v5d, K_PER_TOKEN=per_token,
