@@ -79,6 +79,13 @@ def pa_decode_partition_kernel(
     o_m = tl.arange(0, BM)
     o_d = tl.arange(0, D)
     o_t = tl.arange(0, BT)
+    TB: tl.constexpr = BT if BT < BS else BS
+    NT: tl.constexpr = BT // TB
+    o_nt = tl.arange(0, NT)
+    o_tb = tl.arange(0, TB)
+    o_tb16 = tl.arange(0, TB // 16)
+    o_c = tl.arange(0, D // 16)
+    o_16 = tl.arange(0, 16)
     row = o_m // G  # query row within the sequence (decode) or chunk (prefill)
     grp = o_m % G
     seq, q0, nrows, ctx = _rows_of(p_cl, p_chunks, i_s, QL, RAGGED)
@@ -100,23 +107,42 @@ def pa_decode_partition_kernel(
     # each token's block id is gathered from the table, masked past the partition's end, so table
     # entries past the context are never dereferenced. Constexpr trip count (NBP * BS / BT).
     for jt in tl.range(0, (NBP * BS) // BT):
-        tok = start + jt * BT + o_t
+        tile_start = start + jt * BT
+        tok = tile_start + o_t
         live_t = tok < end
-        b = tl.load(p_bt + seq * stride_bt_s + tok // BS, mask=live_t, other=0).to(tl.int64)  # [BT]
-        t_in = tok % BS  # offsets inside the block
-        # K tile [BT, D] from key_cache[b, h, d // 16, t, d % 16]
-        p_k = p_kc + i_h * stride_kc_h + (b * stride_kc_b + t_in * stride_kc_t)[:, None] \
-            + ((o_d // 16) * stride_kc_c + o_d % 16)[None, :]
-        if V5D:  # value_cache[b, h, t // 16, d, t % 16]
-            p_v = p_vc + i_h * stride_vc_h + (b * stride_vc_b + (t_in // 16) * stride_vc_2 + t_in % 16)[:, None] \
-                + (o_d * stride_vc_3)[None, :]
-        else:  # value_cache[b, h, d, t]
-            p_v = p_vc + i_h * stride_vc_h + (b * stride_vc_b + t_in * stride_vc_3)[:, None] \
-                + (o_d * stride_vc_2)[None, :]
-        b_k = tl.load(p_k, mask=live_t[:, None], other=0.0).to(QK_DTYPE)
+        # NT pieces of TB tokens, each contiguous inside one block; offsets are built with the
+        # contiguous axis last (an arange) so loads vectorize to 16 bytes, then merged to [BT, D]
+        blk_idx = tile_start // BS + o_nt  # [NT] table columns
+        b = tl.load(p_bt + seq * stride_bt_s + blk_idx, mask=blk_idx * BS < end, other=0).to(tl.int64)
+        if BT >= BS:  # whole blocks: the first token of every piece is the block's first
+            t0 = 0
+        else:  # a block split into BS / BT tiles (start is a multiple of BS)
+            t0 = tl.multiple_of((jt * BT) % BS, TB)
+        live_p = (tile_start + o_nt[:, None] * TB + o_tb[None, :]) < end  # [NT, TB] tokens in the context
+        # loads are masked per piece (whole pieces of live blocks are in bounds), so the mask is
+        # constant along the contiguous axis and the loads vectorize; the bytes of tokens past the
+        # context are selected away below
+        live_pc = (tile_start + o_nt * TB) < end  # [NT]
+        t_p = t0 + o_tb  # [TB] token offsets inside the block
+        # K [NT, TB, D/16, 16] from key_cache[b, h, c, t, 16]
+        p_k = p_kc + i_h * stride_kc_h + b[:, None, None, None] * stride_kc_b \
+            + t_p[None, :, None, None] * stride_kc_t + o_c[None, None, :, None] * stride_kc_c + o_16[None, None, None, :]
+        b_k = tl.load(p_k, mask=live_pc[:, None, None, None], other=0.0)
+        b_k = tl.reshape(b_k, (BT, D)).to(QK_DTYPE)
+        if V5D:  # value_cache[b, h, t // 16, d, t % 16] as [D, NT, TB/16, 16]
+            p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None, None] * stride_vc_3 \
+                + b[None, :, None, None] * stride_vc_b + (t0 // 16 + o_tb16)[None, None, :, None] * stride_vc_2 \
+                + o_16[None, None, None, :]
+            b_v = tl.load(p_v, mask=live_pc[None, :, None, None], other=0.0)
+        else:  # value_cache[b, h, d, t] as [D, NT, TB]
+            p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None] * stride_vc_2 + b[None, :, None] * stride_vc_b \
+                + t_p[None, None, :] * stride_vc_3
+            b_v = tl.load(p_v, mask=live_pc[None, :, None], other=0.0)
+        b_vt = tl.reshape(b_v, (D, BT))  # V^T
         b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
         if K_PER_TOKEN:
-            b_s = b_s * tl.load(p_ks + b * stride_ks_b + i_h * stride_ks_h + t_in, mask=live_t, other=0.0)[None, :]
+            ks_t = tl.load(p_ks + b[:, None] * stride_ks_b + i_h * stride_ks_h + t_p[None, :], mask=live_p, other=0.0)
+            b_s = b_s * tl.reshape(ks_t, (BT,))[None, :]
         allowed = (tok[None, :] <= last[:, None]) & (tok[None, :] >= first[:, None]) & live_t[None, :] \
             & m_valid[:, None]
         b_s = tl.where(allowed, b_s, float("-inf"))
@@ -125,11 +151,11 @@ def pa_decode_partition_kernel(
         b_p = tl.exp2(b_s - m_base[:, None])
         alpha = tl.exp2(b_m - m_base)
         b_l = b_l * alpha + tl.sum(b_p, 1)
-        b_v = tl.load(p_v, mask=live_t[:, None], other=0.0)
-        b_v = tl.where(live_t[:, None], b_v.to(tl.float32), 0.0).to(PV_DTYPE)  # NaN bytes past the context
+        b_vt = tl.where(live_t[None, :], b_vt.to(tl.float32), 0.0).to(PV_DTYPE)  # NaN bytes past the context
         if V_PER_TOKEN:
-            b_p = b_p * tl.load(p_vs + b * stride_vs_b + i_h * stride_vs_h + t_in, mask=live_t, other=0.0)[None, :]
-        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(PV_DTYPE), b_v)
+            vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :], mask=live_p, other=0.0)
+            b_p = b_p * tl.reshape(vs_t, (BT,))[None, :]
+        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(PV_DTYPE), tl.trans(b_vt))
         b_m = m_new
     if not V_PER_TOKEN:
         b_acc = b_acc * tl.load(p_vs)

@@ -42,8 +42,8 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
 
         bt, warps, stages = decode_tiling(D, BM)
         bt = min(bt, NBP * block_size)
-        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, BS=block_size, NBP=NBP, BT=bt, QK_DTYPE=tl.bfloat16, PV_DTYPE=tl.float16, V5D=v5d,
-                          K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged)
+        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, BS=block_size, NBP=NBP, BT=bt, QK_DTYPE=tl.bfloat16,
+                          PV_DTYPE=tl.float16, V5D=v5d, K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged)
     elif kernel == "write":
         constexprs = dict(D=D, BS=block_size, FMAX=448.0, MIN_EXP=-6, V5D=v5d, K_PER_TOKEN=per_token,
                           V_PER_TOKEN=per_token)
@@ -54,5 +54,10 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
 
         constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, P=8, HAS_SINKS=True, RAGGED=ragged)
         warps, stages = reduce_warps(D, BM), 3
+    if kernel in ("partition", "write") and not v5d:
+        # Triton specializes an integer argument equal to 1 as a constant at launch: the 4-D V
+        # layout's token stride is 1, and the compiled code (vectorized loads) depends on it
+        types.pop("stride_vc_3")
+        constexprs["stride_vc_3"] = 1
     divisible = [n for n in types if n.startswith(("p_", "stride_"))]
     return _ptxas_report(fn, types, constexprs, divisible, warps, num_stages=stages)
