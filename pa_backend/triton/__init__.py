@@ -59,10 +59,10 @@ def decode_tiling(D: int, BM: int) -> Tuple[int, int, int]:
     bt = _env_int("FLYDSL_BACKENDS_PA_TRITON_BT", bt)
     if bt & (bt - 1) or bt < 16:
         raise ValueError(f"FLYDSL_BACKENDS_PA_TRITON_BT={bt}: expected a power of two >= 16")
-    # the gathered [BT, D] tiles carry 64-bit addresses: count them twice
-    live = 3 * bt * D + BM * D + BM * bt
-    return (bt, _env_int("FLYDSL_BACKENDS_PA_TRITON_WARPS", 4 if live <= 16384 else 8),
-            _env_int("FLYDSL_BACKENDS_PA_TRITON_STAGES", 3))
+    # H200 sweep (benchmarks/NOTES.md): 4 warps and 4 stages won at every decode shape measured;
+    # D = 256 tiles need 8 warps to stay clear of spills
+    return (bt, _env_int("FLYDSL_BACKENDS_PA_TRITON_WARPS", 4 if D <= 128 else 8),
+            _env_int("FLYDSL_BACKENDS_PA_TRITON_STAGES", 4))
 
 
 def programs_per_sm() -> int:

@@ -9,15 +9,14 @@
 # row m = i*G + g is query row i of the sequence for query head h*G + g (M = G*QL padded to
 # BM >= 16), so one KV read serves every query head that shares it.
 # The loop walks token tiles of BT tokens (64 for D <= 128: a tile spans several 16-token pages,
-# each page's id gathered from the table), built from offsets whose contiguous axis is last so
-# every K/V load is a 16-byte cp.async, pipelined by the loop. The dots are transposed so every
-# operand is used as stored: S^T [BT, BM] = K [BT, D] Q^T (K widened FP8 -> BF16 in registers,
-# exact; on Hopper a wgmma with M = BT) and acc^T [D, BM] += V^T [D, BT] P^T (FP16: FP8 values
-# are exact in FP16, and P in [0, 1] keeps 11 bits, 8x finer than BF16). Scores are in log2
-# units (exp2) with the per-token K scale or the per-tensor one folded in, then the causal /
-# sliding-window mask and an online softmax (m, l, acc^T FP32 in registers); the per-tensor V
-# scale multiplies acc once at the end, a per-token one multiplies P's rows first. The query is
-# never rounded to FP8.
+# each token's block id gathered from the table, so every iteration has 8-16 KB of K and V loads
+# in flight). K is read as a [BT, D] tile straight from the x-packed layout (16 FP8 bytes per
+# (d//16, token) chunk) and widened FP8 -> BF16 in registers (exact); S = Q K^T runs on the tensor
+# cores with FP32 accumulation, in log2 units (exp2), with the per-token K scale or the per-tensor
+# one folded in, then the causal / sliding-window mask and an online softmax (m, l, acc [BM, D]
+# FP32 in registers). P @ V runs in FP16 (FP8 values are exact in FP16; P in [0, 1] keeps 11
+# bits, 8x finer than BF16): the per-tensor V scale multiplies acc once at the end, a per-token
+# one multiplies P's columns first. The query is never rounded to FP8.
 # Table entries are read only for tokens of the partition, so stale ids past a sequence's extent
 # are never dereferenced; masked tokens never contribute, so NaN bytes in unused slots of a live
 # page are selected away by `where` before any arithmetic that could spread them.
@@ -91,9 +90,8 @@ def pa_decode_partition_kernel(
     grp = o_m % G
     seq, q0, nrows, ctx = _rows_of(p_cl, p_chunks, i_s, QL, RAGGED)
     m_valid = (o_m < G * QL) & (row < nrows)
-    # Q^T [D, BM]: the B operand of S^T = K Q^T
-    p_qt = p_q + (q0 + row)[None, :] * stride_q_t + (i_h * G + grp)[None, :] * stride_q_h + o_d[:, None]
-    b_qt = tl.load(p_qt, mask=m_valid[None, :], other=0.0).to(QK_DTYPE)
+    p_qrow = p_q + (q0 + row)[:, None] * stride_q_t + (i_h * G + grp)[:, None] * stride_q_h + o_d[None, :]
+    b_q = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(QK_DTYPE)
     last = ctx - nrows + row  # row sees tokens 0..last
     first = tl.where(sliding_window > 0, last - sliding_window + 1, 0)
 
@@ -101,7 +99,7 @@ def pa_decode_partition_kernel(
     end = tl.minimum(tl.minimum(start + NBP * BS, ctx), max_tokens)  # never past the table row
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
-    b_acc = tl.zeros([D, BM], dtype=tl.float32)  # acc^T
+    b_acc = tl.zeros([BM, D], dtype=tl.float32)
     qk_scale = softmax_scale * 1.4426950408889634  # scores in log2 units: exp2 below
     if not K_PER_TOKEN:
         qk_scale = qk_scale * tl.load(p_ks)
@@ -141,23 +139,23 @@ def pa_decode_partition_kernel(
                 + t_p[None, None, :] * stride_vc_3
             b_v = tl.load(p_v, mask=live_pc[None, :, None], other=0.0)
         b_vt = tl.reshape(b_v, (D, BT))  # V^T
-        b_st = tl.dot(b_k, b_qt) * qk_scale  # S^T [BT, BM]
+        b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
         if K_PER_TOKEN:
             ks_t = tl.load(p_ks + b[:, None] * stride_ks_b + i_h * stride_ks_h + t_p[None, :], mask=live_p, other=0.0)
-            b_st = b_st * tl.reshape(ks_t, (BT,))[:, None]
-        allowed = (tok[:, None] <= last[None, :]) & (tok[:, None] >= first[None, :]) & live_t[:, None] \
-            & m_valid[None, :]
-        b_st = tl.where(allowed, b_st, float("-inf"))
-        m_new = tl.maximum(b_m, tl.max(b_st, 0))
+            b_s = b_s * tl.reshape(ks_t, (BT,))[None, :]
+        allowed = (tok[None, :] <= last[:, None]) & (tok[None, :] >= first[:, None]) & live_t[None, :] \
+            & m_valid[:, None]
+        b_s = tl.where(allowed, b_s, float("-inf"))
+        m_new = tl.maximum(b_m, tl.max(b_s, 1))
         m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        b_pt = tl.exp2(b_st - m_base[None, :])  # P^T [BT, BM]
+        b_p = tl.exp2(b_s - m_base[:, None])
         alpha = tl.exp2(b_m - m_base)
-        b_l = b_l * alpha + tl.sum(b_pt, 0)
+        b_l = b_l * alpha + tl.sum(b_p, 1)
         b_vt = tl.where(live_t[None, :], b_vt.to(tl.float32), 0.0).to(PV_DTYPE)  # NaN bytes past the context
         if V_PER_TOKEN:
             vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :], mask=live_p, other=0.0)
-            b_pt = b_pt * tl.reshape(vs_t, (BT,))[:, None]
-        b_acc = b_acc * alpha[None, :] + tl.dot(b_vt, b_pt.to(PV_DTYPE))  # acc^T += V^T P^T
+            b_p = b_p * tl.reshape(vs_t, (BT,))[None, :]
+        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(PV_DTYPE), tl.trans(b_vt))
         b_m = m_new
     if not V_PER_TOKEN:
         b_acc = b_acc * tl.load(p_vs)
@@ -165,7 +163,7 @@ def pa_decode_partition_kernel(
     ws = ((i_s * HKV + i_h) * P + i_p) * BM
     tl.store(p_ws_m + ws + o_m, b_m)
     tl.store(p_ws_l + ws + o_m, b_l)
-    tl.store(p_ws_acc + (ws + o_m)[None, :] * D + o_d[:, None], b_acc)
+    tl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], b_acc)
 
 
 @triton.jit
