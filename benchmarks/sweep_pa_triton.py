@@ -1,7 +1,8 @@
 """Tuning sweep for the Triton paged-attention decode: planner programs-per-SM x warps x stages.
 
 Run on the GPU machine from the repo root: python3 benchmarks/sweep_pa_triton.py [max_seconds]
-SWEEP_CONFIGS (indices into DEFAULT_CONFIGS) and SWEEP_PPS / SWEEP_WARPS / SWEEP_STAGES / SWEEP_BT (comma lists) set the grid.
+SWEEP_CONFIGS (indices into DEFAULT_CONFIGS) and SWEEP_PPS / SWEEP_WARPS / SWEEP_STAGES / SWEEP_BT (comma lists) set the grid;
+SWEEP_TABLES=random,sequential times each setting with scattered and with consecutive pages.
 Prints one line per configuration (best six settings, CUDA-graph replay, median); the chosen
 defaults live in pa_backend/planner.py (PROGRAMS_PER_SM) and pa_backend/triton/__init__.py.
 """
@@ -24,8 +25,9 @@ t0 = time.time()
 copy = copy_bandwidth_gbps()
 print(f"copy {copy:.0f} GB/s", flush=True)
 pick = [int(i) for i in os.environ.get("SWEEP_CONFIGS", ",".join(map(str, range(len(DEFAULT_CONFIGS))))).split(",")]
-for (B, ctx, ql, Hq, Hkv, D, bs, scales) in [DEFAULT_CONFIGS[i] for i in pick]:
-    kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda")
+layouts = os.environ.get("SWEEP_TABLES", "random").split(",")
+for (B, ctx, ql, Hq, Hkv, D, bs, scales), tables in itertools.product([DEFAULT_CONFIGS[i] for i in pick], layouts):
+    kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda", tables=tables)
     out = torch.empty_like(kw["query"])
     nbytes = kv_bytes(B, ctx, Hkv, D, scales)
     res = []
@@ -46,7 +48,7 @@ for (B, ctx, ql, Hq, Hkv, D, bs, scales) in [DEFAULT_CONFIGS[i] for i in pick]:
     res.sort()
     best = ", ".join(f"pps{p}/w{w}/s{s}/bt{b}: {us:.1f} ({100 * nbytes / (us * 1e-6) / 1e9 / copy:.0f}%)"
                      for us, p, w, s, b in res[:6])
-    print(f"B={B} ctx={ctx} ql={ql} Hq={Hq} page={bs} {scales} | {best}", flush=True)
+    print(f"B={B} ctx={ctx} ql={ql} Hq={Hq} page={bs} {scales} {tables} pages | {best}", flush=True)
     del kw, out
     torch.cuda.empty_cache()
 for k in ("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", "FLYDSL_BACKENDS_PA_TRITON_WARPS", "FLYDSL_BACKENDS_PA_TRITON_STAGES",

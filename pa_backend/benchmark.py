@@ -37,8 +37,13 @@ def kv_bytes(B: int, ctx: int, Hkv: int, D: int, scales: str) -> int:
 
 
 def bench_case(B: int, ctx: int, ql: int, Hq: int, Hkv: int, D: int, bs: int, scales: str, device,
-               fp8_dtype: torch.dtype = torch.float8_e4m3fn, seed: int = 0) -> Dict[str, object]:
-    """pa_decode keyword arguments for B sequences of ``ctx`` tokens, built on ``device``."""
+               fp8_dtype: torch.dtype = torch.float8_e4m3fn, seed: int = 0,
+               tables: str = "random") -> Dict[str, object]:
+    """pa_decode keyword arguments for B sequences of ``ctx`` tokens, built on ``device``.
+    ``tables="random"`` scatters each sequence's pages over the whole cache (a long-running
+    server's pool); ``"sequential"`` gives each sequence consecutive blocks (page locality)."""
+    if tables not in ("random", "sequential"):
+        raise ValueError(f"tables={tables!r}: expected 'random' or 'sequential'")
     g = torch.Generator(device=device).manual_seed(seed)
     nb = -(-ctx // bs)
     NB = B * nb + 1
@@ -49,14 +54,16 @@ def bench_case(B: int, ctx: int, ql: int, Hq: int, Hkv: int, D: int, bs: int, sc
         for i in range(0, NB, 4096):
             part = flat[i:i + 4096]
             part.copy_((torch.randn(part.shape, generator=g, device=device) * 64).clamp_(-240, 240).to(fp8_dtype))
-    tables = torch.randperm(NB - 1, generator=g, device=device)[: B * nb].view(B, nb).to(torch.int32)
+    order = (torch.randperm(NB - 1, generator=g, device=device) if tables == "random"
+             else torch.arange(NB - 1, device=device))
+    block_tables = order[: B * nb].view(B, nb).to(torch.int32)
     if scales == "tensor":
         ks, vs = torch.tensor(0.02, device=device), torch.tensor(0.015, device=device)
     else:
         ks = torch.rand((NB, Hkv, bs), generator=g, device=device) * 0.02 + 0.01
         vs = torch.rand((NB, Hkv, bs), generator=g, device=device) * 0.02 + 0.01
     return dict(query=torch.randn((B * ql, Hq, D), generator=g, device=device).to(torch.bfloat16),
-                key_cache=kc, value_cache=vc, block_tables=tables,
+                key_cache=kc, value_cache=vc, block_tables=block_tables,
                 context_lengths=torch.full((B,), ctx, dtype=torch.int32, device=device),
                 key_scale=ks, value_scale=vs, query_length=ql)
 

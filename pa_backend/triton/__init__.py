@@ -2,8 +2,9 @@
 kernels over chunks of query rows; one host read of query_start_loc / context_lengths to build
 the chunks, so prefill is not graph-capturable) and ``write_kv``.
 
-Status: tested under TRITON_INTERPRET=1 and compiled for sm_90 on CPU; NOT yet run on a GPU, so
-``backend="auto"`` does not choose it on a GPU (pass ``backend="triton"`` to use it).
+Status: tested under TRITON_INTERPRET=1 on CPU, compiled for sm_90 without spills, and run on an
+H200 (the GPU grid of pa_backend/tests/test_gpu.py); ``backend="auto"`` chooses it on NVIDIA GPUs.
+Not run on AMD (no AMD GPU here).
 """
 
 from __future__ import annotations
