@@ -18,7 +18,9 @@ rc=0
 for step in $steps; do
   echo "=== $step ($(date -u +%T))"
   case $step in
-    tests-kda|tests-pa) cmd=(python3 -m pytest -q -m gpu "${step#tests-}_backend" -p no:cacheprovider -rf) ;;
+    tests-kda) cmd=(python3 -m pytest -q -m gpu kda_backend -p no:cacheprovider -rf) ;;
+    # the PA interpreter tests pick the GPU when there is one: run them all (write_kv, safety cases)
+    tests-pa) cmd=(python3 -m pytest -q pa_backend -p no:cacheprovider -rf) ;;
     verify) cmd=(python3 -m flydsl_backends verify) ;;
     bench-kda|bench-pa) cmd=(python3 -m flydsl_backends bench "${step#bench-}" --out "$out/${step#bench-}_bench.csv") ;;
     sweep-pa) cmd=(python3 benchmarks/sweep_pa_triton.py "${SWEEP_SECONDS:-300}") ;;

@@ -1,6 +1,8 @@
 """GPU grid of the Triton paged-attention decode kernel (issue 3's H200 grid) and graph replay.
 
-Written with the kernel; NOT yet run on a GPU (the session that wrote it had no device time left).
+Passed on an NVIDIA H200 at commit 658defc (99 cases). The (block, D) and (GQA, query length)
+pairs cover each value of the issue's grid without the full product. The CPU tests in
+test_triton.py also run on the GPU when one is visible (write_kv bytes, safety cases).
 """
 
 
