@@ -31,6 +31,9 @@ __all__ = [
     "triton_device_ok",
     "sm_count",
     "flydsl_available",
+    "FLYDSL_ARCHES",
+    "flydsl_build_target",
+    "flydsl_device_ok",
     "summary",
 ]
 
@@ -165,6 +168,77 @@ def sm_count(device: DeviceLike) -> int:
 
 def flydsl_available() -> bool:
     return module_available("flydsl")
+
+
+# The AMD architectures the FlyDSL kernels are built and resource-checked for (MI355X, MI300X).
+FLYDSL_ARCHES = ("gfx950", "gfx942")
+
+
+def _env_arch(name: str) -> Optional[str]:
+    raw = os.environ.get(name, "").strip().lower()
+    if not raw:
+        return None
+    if raw.startswith("gfx"):
+        return raw.split(":")[0]
+    parts = raw.split(".")
+    if len(parts) == 3 and all(x.isdigit() for x in parts):  # HSA_OVERRIDE_GFX_VERSION=9.5.0
+        return f"gfx{parts[0]}{parts[1]}{parts[2]}"
+    return raw
+
+
+def flydsl_build_target() -> "tuple[Optional[str], str]":
+    """(architecture FlyDSL will build for, where that comes from), without importing FlyDSL.
+
+    FlyDSL 0.4.2 takes its target (codegen, and FP8 semantics through ``get_rocm_arch``) from
+    ``FLYDSL_GPU_ARCH`` (or ``HSA_OVERRIDE_GFX_VERSION``), else from the first GPU the ROCm runtime
+    lists; codegen also honours ``ARCH``. ``(None, reason)`` when ``ARCH`` and ``FLYDSL_GPU_ARCH``
+    disagree (a binary built that way mixes one arch's code with another's FP8 format)."""
+    gpu = _env_arch("FLYDSL_GPU_ARCH") or _env_arch("HSA_OVERRIDE_GFX_VERSION")
+    arch = _env_arch("ARCH")
+    if gpu and arch and gpu != arch:
+        return None, f"ARCH={arch} and FLYDSL_GPU_ARCH={gpu} disagree (set both to the device's arch)"
+    if gpu:
+        return gpu, "FLYDSL_GPU_ARCH" if _env_arch("FLYDSL_GPU_ARCH") else "HSA_OVERRIDE_GFX_VERSION"
+    if arch:
+        return arch, "ARCH"
+    if has_gpu() and is_hip():
+        return device_info(0).arch, "the first GPU (FlyDSL's default)"
+    return None, "no AMD GPU and neither FLYDSL_GPU_ARCH nor ARCH is set"
+
+
+@functools.lru_cache(maxsize=None)
+def _flydsl_device_ok(index: Optional[int], target: Optional[str], target_why: str) -> "tuple[bool, str]":
+    if index is None:
+        return False, "FlyDSL kernels need an AMD GPU (the tensors are on the CPU)"
+    info = _cuda_device_info(index)
+    if not info.is_amd:
+        return False, f"cuda:{index} is {info.name} ({info.arch}); FlyDSL kernels need an AMD GPU ({'/'.join(FLYDSL_ARCHES)})"
+    if info.arch not in FLYDSL_ARCHES:
+        return False, f"cuda:{index} is {info.arch}; the FlyDSL kernels are built for {'/'.join(FLYDSL_ARCHES)} only"
+    if target is None:
+        return False, target_why
+    if target != info.arch:
+        return False, (f"FlyDSL builds for {target} ({target_why}) but cuda:{index} is {info.arch}: set "
+                       f"FLYDSL_GPU_ARCH={info.arch} (and ARCH) or use a {target} device")
+    return True, f"cuda:{index} is {info.arch}, FlyDSL builds for {target}"
+
+
+def flydsl_device_ok(device: DeviceLike = None) -> "tuple[bool, str]":
+    """Can FlyDSL kernels run on ``device``: an AMD gfx950/gfx942 GPU whose arch is FlyDSL's build
+    target. Reads the device's ``gcnArchName``; memoized per (device index, target). Whether
+    flydsl is installed is the caller's question (``flydsl_available``)."""
+    try:
+        dev = _normalize(device)
+    except (RuntimeError, ValueError) as exc:
+        return False, f"device: {exc}"
+    if dev.type == "cpu":
+        return _flydsl_device_ok(None, None, "")
+    if dev.type != "cuda":
+        return False, f"device type {dev.type!r}: FlyDSL kernels need an AMD GPU"
+    if not has_gpu() or dev.index >= torch.cuda.device_count() or dev.index < 0:
+        return False, f"device: no GPU with index {dev.index} (torch sees {torch.cuda.device_count() if has_gpu() else 0})"
+    target, why = flydsl_build_target()
+    return _flydsl_device_ok(dev.index, target, why)
 
 
 def summary() -> dict:

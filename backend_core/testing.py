@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CORRUPTIONS", "corrupt"]
+__all__ = ["CORRUPTIONS", "corrupt", "fake_gpus", "amd_props", "nvidia_props", "clear_device_memos"]
 
 CORRUPTIONS = ("dtype", "drop_dim", "add_dim", "grow", "shrink", "transpose", "none", "list", "scalar")
 
@@ -43,3 +43,60 @@ def corrupt(kw: dict, name: str, kind: str, dtype: torch.dtype, dim: int) -> Non
         kw[name] = t.narrow(d, 0, t.shape[d] - 1)
     elif kind == "transpose" and t.dim() >= 2:
         kw[name] = t.transpose(d % (t.dim() - 1), -1)
+
+
+def amd_props(arch: str, name: str = "AMD Instinct MI355X"):
+    """Device properties as torch reports them for an AMD GPU (``gcnArchName`` carries the arch)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, gcnArchName=arch, major=9, minor=4, multi_processor_count=256,
+                           total_memory=288 << 30)
+
+
+def nvidia_props(name: str = "NVIDIA H200", major: int = 9, minor: int = 0):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(name=name, major=major, minor=minor, multi_processor_count=132, total_memory=141 << 30)
+
+
+def clear_device_memos() -> None:
+    from backend_core import platform
+
+    platform._cuda_device_info.cache_clear()
+    platform._flydsl_device_ok.cache_clear()
+
+
+def fake_gpus(monkeypatch, props, hip: bool) -> None:
+    """Pretend torch sees GPUs with ``props`` (a list of property objects); no GPU needed.
+    Undone by ``monkeypatch`` (call ``clear_device_memos()`` after the test)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(props))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
+    monkeypatch.setattr(torch.version, "hip", "6.4" if hip else None, raising=False)
+    clear_device_memos()
+
+
+def install_fake_aiter(monkeypatch, functions: dict, version: str = "0.0.0-standin") -> None:
+    """Install a stand-in ``aiter.ops.flydsl`` exposing ``functions`` (name -> callable), make
+    ``aiter`` and ``flydsl`` look installed, and reset discovery. Undone by ``monkeypatch``."""
+    import importlib.machinery
+    import sys
+    import types
+
+    from backend_core import flydsl_source, platform
+
+    mods = {}
+    for name in ("aiter", "aiter.ops", "aiter.ops.flydsl"):
+        m = types.ModuleType(name)
+        m.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        mods[name] = m
+        monkeypatch.setitem(sys.modules, name, m)
+    mods["aiter"].__version__ = version
+    mods["aiter"].ops = mods["aiter.ops"]
+    mods["aiter.ops"].flydsl = mods["aiter.ops.flydsl"]
+    for k, fn in functions.items():
+        setattr(mods["aiter.ops.flydsl"], k, fn)
+    real = platform.module_available
+    monkeypatch.setattr(platform, "module_available", lambda n: True if n in ("aiter", "flydsl") else real(n))
+    flydsl_source.clear_cache()

@@ -110,11 +110,15 @@ def kda_decode_with_f_b(f_a, f_b_weight, x, conv_weight, conv_state, b, A_log, d
 
 
 def is_kda_decode_supported(device=None, backend: str = "flydsl") -> bool:
-    """Whether ``backend`` can run KDA decode on ``device`` (None: the current device)."""
+    """Whether ``backend`` can run KDA decode on ``device`` (None: the current device). For
+    ``flydsl``: flydsl installed and the device an AMD GPU whose arch (gcnArchName, memoized per
+    device index) is FlyDSL's build target; shapes are checked per call."""
     impl = REGISTRY.get(backend)
     ok, _ = impl.is_available()
     if not ok:
         return False
+    if backend == "flydsl":
+        return platform.flydsl_device_ok(device)[0]
     try:
         dev = platform.device_info(device)
     except ValueError:

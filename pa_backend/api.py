@@ -3,7 +3,8 @@
 Implementations are chosen by ``backend_core.registry``; ``FLYDSL_BACKENDS_PA=torch|triton|flydsl``
 forces one when ``backend="auto"``. Status: on a GPU ``auto`` picks the Triton kernels (tested on
 an H200, see benchmarks/NOTES.md); on CPU the ``torch`` reference (Triton there runs only under
-``TRITON_INTERPRET=1``); the FlyDSL slot is not implemented yet.
+``TRITON_INTERPRET=1``); on AMD the FlyDSL slot serves decode through AITER's
+FlyDSL kernel when the installed AITER has it (``pa_backend/flydsl``).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import torch
 
 from backend_core.registry import Implementation, OpRegistry
 
+from . import flydsl as _flydsl
 from . import triton as _triton
 from .contract import WriteProblem, prepare_attention, prepare_write
 from .reference import run_attention, run_write
 
-__all__ = ["pa_decode", "write_kv", "pa_prefill", "REGISTRY"]
+__all__ = ["pa_decode", "write_kv", "pa_prefill", "is_pa_decode_supported", "REGISTRY"]
 
 
 def _run_torch(p):
@@ -36,7 +38,8 @@ REGISTRY.register(Implementation("torch", lambda: (True, "always (reference: gat
                                  lambda p: (True, "ok"), _run_torch, "reference"))
 REGISTRY.register(Implementation("triton", _triton.available, _triton.supports, _triton.run,
                                  "Triton kernels (decode/prefill split-K + reduce, write_kv)"))
-REGISTRY.register(Implementation.unavailable("flydsl", "the FlyDSL paged-attention kernels are not implemented yet"))
+REGISTRY.register(Implementation("flydsl", _flydsl.available, _flydsl.supports, _flydsl.run,
+                                 "AITER's FlyDSL paged decode (AMD gfx950/gfx942), discovered at run time"))
 
 
 def _dispatch(p, backend: str):
@@ -103,3 +106,23 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, key_scale, value_
     _dispatch(p, backend)
 
 
+
+
+def is_pa_decode_supported(device=None, backend: str = "flydsl") -> bool:
+    """Whether ``backend`` can run ``pa_decode`` on ``device`` (None: the current device). For
+    ``flydsl``: flydsl and AITER's FlyDSL paged decode installed, and the device an AMD GPU whose
+    arch (gcnArchName) is FlyDSL's build target. Shapes are checked per call."""
+    from backend_core import platform
+
+    impl = REGISTRY.get(backend)
+    if not impl.is_available()[0]:
+        return False
+    if backend == "flydsl":
+        return platform.flydsl_device_ok(device)[0]
+    try:
+        dev = platform.device_info(device)
+    except ValueError:
+        return False
+    if backend == "triton" and dev.type == "cpu":
+        return platform.triton_interpreter_enabled()
+    return True

@@ -1,30 +1,17 @@
-from types import SimpleNamespace
-
 import pytest
 import torch
 
 from backend_core import platform
+from backend_core.testing import amd_props as amd
+from backend_core.testing import clear_device_memos, nvidia_props
+from backend_core.testing import fake_gpus as _fake_gpus
 
 
 @pytest.fixture
 def fake_gpus(monkeypatch):
     """Pretend torch sees GPUs with the given properties (no GPU needed)."""
-
-    def install(props, hip):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: len(props))
-        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props[i])
-        monkeypatch.setattr(torch.version, "hip", "6.4" if hip else None, raising=False)
-        platform._cuda_device_info.cache_clear()
-
-    yield install
-    platform._cuda_device_info.cache_clear()
-
-
-def amd(arch):
-    return SimpleNamespace(name="AMD Instinct", gcnArchName=arch, major=9, minor=4, multi_processor_count=256,
-                           total_memory=288 << 30)
+    yield lambda props, hip: _fake_gpus(monkeypatch, props, hip)
+    clear_device_memos()
 
 
 def test_cpu():
@@ -40,8 +27,7 @@ def test_gfx950_and_gfx942(fake_gpus):
 
 
 def test_nvidia(fake_gpus):
-    fake_gpus([SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132,
-                               total_memory=141 << 30)], hip=False)
+    fake_gpus([nvidia_props()], hip=False)
     info = platform.device_info(None)
     assert info.arch == "sm_90" and info.is_nvidia and info.multiprocessors == 132
 
@@ -69,3 +55,54 @@ def test_probes_do_not_import():
     platform.triton_available()
     platform.flydsl_available()
     assert "flydsl" not in sys.modules
+
+
+@pytest.fixture
+def no_arch_env(monkeypatch):
+    for k in ("FLYDSL_GPU_ARCH", "ARCH", "HSA_OVERRIDE_GFX_VERSION"):
+        monkeypatch.delenv(k, raising=False)
+
+
+def test_flydsl_gating_follows_each_devices_arch(fake_gpus, no_arch_env, monkeypatch):
+    fake_gpus([amd("gfx950:sramecc+:xnack-"), amd("gfx942:sramecc+:xnack-"), amd("gfx90a")], hip=True)
+    # no override: FlyDSL builds for the first GPU, so only devices of that arch qualify
+    assert platform.flydsl_device_ok(0) == (True, "cuda:0 is gfx950, FlyDSL builds for gfx950")
+    ok, why = platform.flydsl_device_ok("cuda:1")
+    assert not ok and "builds for gfx950" in why and "FLYDSL_GPU_ARCH=gfx942" in why
+    ok, why = platform.flydsl_device_ok(torch.device("cuda", 2))
+    assert not ok and "gfx90a" in why
+    monkeypatch.setenv("FLYDSL_GPU_ARCH", "gfx942")
+    monkeypatch.setenv("ARCH", "gfx942")
+    assert platform.flydsl_device_ok(1)[0] and not platform.flydsl_device_ok(0)[0]
+
+
+def test_flydsl_gating_rejects_mismatched_build_env(fake_gpus, no_arch_env, monkeypatch):
+    fake_gpus([amd("gfx950")], hip=True)
+    monkeypatch.setenv("ARCH", "gfx942")
+    monkeypatch.setenv("FLYDSL_GPU_ARCH", "gfx950")
+    ok, why = platform.flydsl_device_ok(0)
+    assert not ok and "disagree" in why
+    monkeypatch.setenv("ARCH", "gfx950")
+    monkeypatch.setenv("FLYDSL_GPU_ARCH", "")
+    monkeypatch.setenv("HSA_OVERRIDE_GFX_VERSION", "9.5.0")
+    assert platform.flydsl_build_target() == ("gfx950", "HSA_OVERRIDE_GFX_VERSION")
+    assert platform.flydsl_device_ok(0)[0]
+
+
+def test_flydsl_gating_nvidia_cpu_and_missing_index(fake_gpus, no_arch_env):
+    assert platform.flydsl_device_ok("cpu") == (False, "FlyDSL kernels need an AMD GPU (the tensors are on the CPU)")
+    fake_gpus([nvidia_props()], hip=False)
+    ok, why = platform.flydsl_device_ok(0)
+    assert not ok and "NVIDIA H200" in why and "AMD" in why
+    ok, why = platform.flydsl_device_ok(5)
+    assert not ok and "no GPU with index 5" in why
+
+
+def test_flydsl_gating_is_memoized_per_device(fake_gpus, no_arch_env, monkeypatch):
+    calls = []
+    props = [amd("gfx950"), amd("gfx950")]
+    fake_gpus(props, hip=True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: calls.append(i) or props[i])
+    for _ in range(3):
+        assert platform.flydsl_device_ok(0)[0] and platform.flydsl_device_ok(1)[0]
+    assert sorted(set(calls)) == [0, 1] and len(calls) == 2

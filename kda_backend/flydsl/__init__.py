@@ -1,29 +1,80 @@
-"""FlyDSL implementation slot of the KDA decode op (AMD gfx950 / gfx942).
+"""FlyDSL implementation of the KDA decode op (AMD gfx950 / gfx942).
 
-Not implemented yet: the kernel, the AITER discovery and the gfx950/gfx942 compile gate are the
-FlyDSL issue's work. The slot is registered so that ``flydsl-backends info`` and
-``backend="flydsl"`` report why it cannot serve rather than failing obscurely.
+Two sources, chosen per call by ``backend_core.flydsl_source`` (``FLYDSL_BACKENDS_SOURCE=
+auto|aiter|own``): AITER's ``aiter.ops.flydsl`` KDA entry points when the installed AITER has them
+and they cover the call (``aiter.py``, the one adapter), else the project's own FlyDSL kernel
+(``kernel.py``). Both are gated on the device asked about: an AMD GPU whose arch (gcnArchName) is
+FlyDSL's build target (``backend_core.platform.flydsl_device_ok``).
+
+Status: the own kernel is compiled and resource-checked for gfx950 and gfx942 on CPU (the compile
+gate, ``flydsl-backends info --resources``); neither source has run on AMD hardware here (there
+is none). ``flydsl-backends verify`` checks them on a machine with an MI355X / MI300X.
 """
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Tuple
 
-from backend_core import platform
+from backend_core import flydsl_source, platform
 
-__all__ = ["available", "supports", "run"]
+from . import aiter as _aiter
+
+__all__ = ["available", "supports", "run", "source_for", "sources"]
 
 
 def available() -> Tuple[bool, str]:
     if not platform.flydsl_available():
-        return False, "not implemented in this release (and flydsl is not installed)"
-    return False, "not implemented in this release (flydsl is installed, but the project's FlyDSL KDA kernel is not)"
+        return False, "flydsl is not installed (pip install 'flydsl-backends[flydsl]')"
+    if not (platform.has_gpu() and platform.is_hip()):
+        return False, ("no AMD GPU visible (the FlyDSL kernels are compiled and resource-checked for gfx950/gfx942 "
+                       "on CPU; they run only on AMD GPUs)")
+    return True, "flydsl installed, AMD GPU present"
 
 
-def supports(problem) -> Tuple[bool, str]:
-    return available()
+def _own_covers(p) -> Tuple[bool, str]:
+    if not platform.flydsl_available():
+        return False, "flydsl is not installed"
+    try:
+        from . import kernel
+    except ImportError as exc:  # a broken install must explain itself, not break dispatch
+        return False, f"the project's FlyDSL kernel module does not import: {exc}"
+    return kernel.supports(p)
 
 
-def run(problem):
-    ok, why = available()
-    raise ValueError(f"backend='flydsl' cannot serve this call: {why}")
+def source_for(p) -> Tuple[str, str]:
+    """(``"aiter"`` or ``"own"``, why) for a validated call, or ValueError with the reason."""
+    ok, why = platform.flydsl_device_ok(p.device)
+    if not ok:
+        raise ValueError(f"backend='flydsl' cannot serve this call: {why}")
+    src, why = flydsl_source.choose(_aiter.covers(p), _own_covers(p))
+    if src is None:
+        raise ValueError(f"backend='flydsl' cannot serve this call: {why}")
+    return src, why
+
+
+def supports(p) -> Tuple[bool, str]:
+    try:
+        return True, source_for(p)[1]
+    except ValueError as exc:
+        return False, str(exc).split(": ", 1)[-1]
+
+
+def run(p):
+    src, _ = source_for(p)
+    if src == "aiter":
+        return _aiter.run(p)
+    from . import kernel
+
+    return kernel.launch(p)
+
+
+def sources() -> List[Tuple[str, bool, str]]:
+    """(source, usable on this machine, why) for ``flydsl-backends info``."""
+    fns, why = _aiter.find()
+    rows = [("aiter", fns is not None, why)]
+    if platform.flydsl_available():
+        rows.append(("own", True, "project FlyDSL kernel (H 3-32, K=V=128, W=4; compiled for gfx950/gfx942 here, "
+                                  "not run on AMD hardware)"))
+    else:
+        rows.append(("own", False, "flydsl is not installed"))
+    return rows

@@ -1,0 +1,122 @@
+"""The FlyDSL slot of the paged-attention ops on CPU: AITER discovery, the contract mapping
+against a stand-in with AITER's documented ``pa_decode`` (computing with the reference), the
+decode-only coverage, FP8 format per arch, and arch gating. Nothing runs on AMD here."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from backend_core import flydsl_source, platform
+from backend_core.testing import amd_props, clear_device_memos, fake_gpus, install_fake_aiter, nvidia_props
+from pa_backend import REGISTRY, fp8_dtype_for, is_pa_decode_supported
+from pa_backend import flydsl as pflydsl
+from pa_backend.contract import prepare_attention, prepare_write
+from pa_backend.flydsl import aiter as paiter
+from pa_backend.testing import make_pa_case
+
+from . import aiter_standin
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    monkeypatch.delenv("FLYDSL_BACKENDS_SOURCE", raising=False)
+    install_fake_aiter(monkeypatch, aiter_standin.functions())
+    aiter_standin.calls.clear()
+    yield aiter_standin
+    flydsl_source.clear_cache()
+
+
+@pytest.fixture
+def amd_here(monkeypatch):
+    monkeypatch.setattr(platform, "flydsl_device_ok", lambda device=None: (True, "stand-in AMD gfx950"))
+    monkeypatch.setattr(REGISTRY.get("flydsl"), "_available_cache", (True, "stand-in"))
+
+
+def problem(case):
+    kw = dict(case.kwargs)
+    return prepare_attention(**kw, prefill=case.prefill)
+
+
+@pytest.mark.parametrize("params", [
+    dict(query_length=1, scales="tensor", v_layout="4d", Hq=4, Hkv=1),
+    dict(query_length=3, scales="token", v_layout="5d", Hq=8, Hkv=2, sliding_window=9, sinks=True),
+])
+def test_aiter_mapping_matches_reference(standin, amd_here, params):
+    case = make_pa_case([1, 40, 97], D=64, block_size=16, extra_table=20, **params)
+    want = case.call("torch", out=torch.full_like(case.kwargs["query"], float("nan")))
+    got = case.call("flydsl", out=torch.full_like(case.kwargs["query"], float("nan")))
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    ql, parts, size = standin.calls[-1]
+    table_tokens = case.kwargs["block_tables"].shape[1] * 16
+    assert (ql, size) == (params["query_length"], 256) and parts == -(-table_tokens // 256)
+
+
+def test_partition_count_comes_from_the_table_not_the_lengths(standin, amd_here):
+    """Graph stability: the same table width gives the same AITER arguments whatever the lengths."""
+    case = make_pa_case([5, 300], D=64, extra_table=40)
+    case.call("flydsl")
+    case.kwargs["context_lengths"].copy_(torch.tensor([600, 1], dtype=torch.int32))
+    case.call("flydsl")
+    assert standin.calls[0] == standin.calls[1]
+
+
+def test_decode_only_and_scale_coverage(standin):
+    pre = make_pa_case([20, 33], query_lengths=[4, 1], D=64)
+    ok, why = paiter.covers(problem(pre))
+    assert not ok and "decode-only" in why
+    dec = make_pa_case([20], D=64)
+    ok, why = paiter.covers(dataclasses.replace(problem(dec), softmax_scale=0.3))
+    assert not ok and "softmax_scale" in why
+    kw = dec.kwargs
+    wp = prepare_write(key=torch.zeros(1, 1, 64, dtype=torch.bfloat16), value=torch.zeros(1, 1, 64, dtype=torch.bfloat16),
+                       key_cache=kw["key_cache"], value_cache=kw["value_cache"], slot_mapping=torch.zeros(1, dtype=torch.int32),
+                       key_scale=kw["key_scale"], value_scale=kw["value_scale"])
+    assert not paiter.covers(wp)[0]
+
+
+def test_auto_on_amd_uses_triton_for_prefill_and_write(standin, amd_here):
+    pre = make_pa_case([20, 33], query_lengths=[4, 1], D=64)
+    ok, why = pflydsl.supports(problem(pre))
+    assert not ok and "decode-only" in why and "no FlyDSL paged-attention kernel of its own" in why
+
+
+def test_fnuz_cache_on_gfx950_is_refused(standin, monkeypatch):
+    try:
+        fake_gpus(monkeypatch, [amd_props("gfx950")], hip=True)
+        case = make_pa_case([20], D=64, fp8_dtype=torch.float8_e4m3fnuz)
+        p = dataclasses.replace(problem(case), query=case.kwargs["query"])
+        monkeypatch.setattr(type(p), "device", property(lambda self: torch.device("cuda", 0)))
+        ok, why = paiter.covers(p)
+        assert not ok and "reads torch.float8_e4m3fn" in why
+    finally:
+        clear_device_memos()
+
+
+def test_source_own_is_refused_with_the_reason(standin, amd_here, monkeypatch):
+    monkeypatch.setenv("FLYDSL_BACKENDS_SOURCE", "own")
+    case = make_pa_case([20], D=64)
+    with pytest.raises(ValueError, match="FLYDSL_BACKENDS_SOURCE=own but the project's FlyDSL kernel cannot serve"):
+        case.call("flydsl")
+
+
+def test_fp8_format_and_support_per_arch(monkeypatch):
+    for k in ("FLYDSL_GPU_ARCH", "ARCH", "HSA_OVERRIDE_GFX_VERSION"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(REGISTRY.get("flydsl"), "_available_cache", (True, "stand-in"))
+    try:
+        fake_gpus(monkeypatch, [amd_props("gfx942:sramecc+:xnack-"), amd_props("gfx950")], hip=True)
+        assert fp8_dtype_for(0) == torch.float8_e4m3fnuz and fp8_dtype_for(1) == torch.float8_e4m3fn
+        assert is_pa_decode_supported(0) and not is_pa_decode_supported(1)  # FlyDSL builds for the first GPU
+        assert not is_pa_decode_supported(9)
+        fake_gpus(monkeypatch, [nvidia_props()], hip=False)
+        assert fp8_dtype_for(0) == torch.float8_e4m3fn and not is_pa_decode_supported(0)
+    finally:
+        clear_device_memos()
+
+
+def test_without_aiter_flydsl_explains_itself():
+    ok, why = REGISTRY.get("flydsl").is_available()
+    assert not ok or platform.is_hip()
+    with pytest.raises(ValueError, match="backend='flydsl'"):
+        make_pa_case([20], D=64).call("flydsl")
