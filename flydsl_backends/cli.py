@@ -1,6 +1,8 @@
 """``flydsl-backends``: info, verify, bench.
 
-* ``info``    the platform, and for each op which implementations are available here and why not.
+* ``info``    the platform, and for each op which implementations are available here and why not,
+              and which FlyDSL source (AITER or the project's kernel) would serve; ``--resources``
+              adds the FlyDSL compile gate's resource table (gfx950, gfx942).
 * ``verify``  every available implementation of every op against the reference over a shape
               grid; a pass/fail table; exit status 1 on any failure. On a machine without a GPU it
               runs the reference and the Triton kernels through Triton's interpreter on small
@@ -67,7 +69,34 @@ def cmd_info(args) -> int:
               f"on CPU: {' > '.join(reg.preference['cpu'])}; force with {reg.env_var}=<name>)")
         for name, ok, why in reg.status():
             print(f"  {name:<7} {'available' if ok else 'unavailable':<12} {why}")
+        print(f"  flydsl sources ({_source_env()}; auto prefers AITER where it covers the call):")
+        for src, ok, why in _flydsl_sources(op):
+            print(f"    {src:<6} {'found' if ok else 'not usable':<11} {why}")
+    if args.resources:
+        return _print_resources()
     return 0
+
+
+def _source_env() -> str:
+    from backend_core.flydsl_source import SOURCE_ENV
+
+    return f"{SOURCE_ENV}={os.environ.get(SOURCE_ENV) or 'auto'}"
+
+
+def _flydsl_sources(op: str):
+    if op == "kda":
+        from kda_backend.flydsl import sources
+    else:
+        from pa_backend.flydsl import sources
+    return sources()
+
+
+def _print_resources() -> int:
+    """The compile gate's resource table (compiles every shipped FlyDSL specialization here)."""
+    from . import compile_gate
+
+    print("\nFlyDSL resources (compile-only builds on this machine, one process per arch):")
+    return compile_gate.main([])
 
 
 def cmd_verify(args) -> int:
@@ -151,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flydsl-backends", description=__doc__.split("\n\n")[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log implementation choices")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("info", help="platform and implementation availability")
+    i = sub.add_parser("info", help="platform and implementation availability")
+    i.add_argument("--resources", action="store_true",
+                   help="also compile every shipped FlyDSL specialization for gfx950/gfx942 and print VGPR/LDS/...")
     v = sub.add_parser("verify", help="every available implementation against the reference")
     v.add_argument("--op", default="all", choices=("all",) + OPS)
     v.add_argument("--backend", action="append", help="only these implementations (repeatable)")
@@ -164,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--state-dtypes", default="fp32,bf16")
     b.add_argument("--f-b", default="off,on", help="comma list of off/on")
     b.add_argument("--lower-bound", type=float, default=None, help="safe-gate lower bound (Kimi-K3: -5)")
-    b.add_argument("--impl", default="triton", help="comma list of implementations to time")
+    b.add_argument("--impl", default="triton,flydsl",
+                   help="comma list of implementations to time (those that cannot serve a case are skipped)")
     b.add_argument("--trials", type=int, default=50)
     b.add_argument("--no-fla", action="store_true", help="kda: skip the composed fla-core baseline")
     b.add_argument("--no-baseline", action="store_true", help="pa: skip the torch gather + SDPA baseline")
