@@ -75,9 +75,9 @@ def ensure_toolchain(root: Optional[str] = None) -> str:
 # --- budgets ---------------------------------------------------------------------------------------
 def budget_file() -> str:
     """``budgets.json`` next to the KDA FlyDSL kernel (package data)."""
-    import kda_backend.flydsl
+    from kda_backend.flydsl import kernel
 
-    return os.path.join(os.path.dirname(os.path.abspath(kda_backend.flydsl.__file__)), "budgets.json")
+    return kernel._BUDGETS_PATH
 
 
 def load_budgets(path: Optional[str] = None) -> Dict[str, int]:
@@ -88,16 +88,6 @@ def load_budgets(path: Optional[str] = None) -> Dict[str, int]:
     if not isinstance(budgets, dict) or not all(isinstance(v, int) for v in budgets.values()):
         raise ValueError(f"{path}: expected {{'vgpr': {{kernel name, prefix or '*': int}}}}")
     return budgets
-
-
-def vgpr_budget(kernel: str, budgets: Dict[str, int]) -> Optional[int]:
-    """Budget of ``kernel``: an exact name, else the longest matching prefix, else '*'."""
-    if kernel in budgets:
-        return budgets[kernel]
-    prefixes = [k for k in budgets if k != "*" and kernel.startswith(k)]
-    if prefixes:
-        return budgets[max(prefixes, key=len)]
-    return budgets.get("*")
 
 
 def verdict(row: dict, budgets: Dict[str, int], lds_limit: int) -> List[str]:
@@ -111,6 +101,8 @@ def verdict(row: dict, budgets: Dict[str, int], lds_limit: int) -> List[str]:
         why.append(f"scratch {row['scratch']} B")
     if row.get("lds", 0) > lds_limit:
         why.append(f"LDS {row['lds']} B > {lds_limit} B")
+    from backend_core.flydsl_compile import vgpr_budget
+
     budget = vgpr_budget(row["kernel"], budgets)
     if budget is None:
         why.append("no VGPR budget for this kernel in budgets.json")
@@ -140,7 +132,7 @@ def _worker(arch: str, only: Optional[str]) -> int:
             row = {"kernel": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         row["arch"] = arch
         row["compile_s"] = round(time.perf_counter() - t0, 2)
-        threads = getattr(kernel, "threads_per_block", lambda s: 256)(spec)
+        threads = kernel.threads_of(spec)
         if "error" not in row:
             row["waves"] = flydsl_compile.waves_per_simd(row.get("vgpr", 0), row.get("agpr", 0), row.get("lds", 0), arch,
                                                          threads)
@@ -154,15 +146,14 @@ def run_gate(arches=ARCHES, only: Optional[str] = None, vgpr_budget_override: Op
     """Compile for every arch (one worker process each, side by side). Returns {"rows", "failures",
     "fatal"}; a failure is (kernel, arch, reasons)."""
     root = ensure_toolchain()
-    from backend_core.flydsl_compile import LDS_BYTES
+    from backend_core.flydsl_compile import LDS_BYTES, compile_env
 
     budgets = {"*": vgpr_budget_override} if vgpr_budget_override is not None else load_budgets()
     procs = {}
     for arch in arches:
         if arch not in LDS_BYTES:
             raise ValueError(f"--arch: {arch!r} is not one of {', '.join(LDS_BYTES)}")
-        env = dict(os.environ, COMPILE_ONLY="1", ARCH=arch, FLYDSL_GPU_ARCH=arch, FLYDSL_RUNTIME_ENABLE_CACHE="0",
-                   ROCM_PATH=root)
+        env = dict(os.environ, **compile_env(arch, root))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                         env.get("PYTHONPATH")) if p)
         cmd = [sys.executable, "-m", "flydsl_backends.compile_gate", "--worker", arch] + (["--only", only] if only else [])

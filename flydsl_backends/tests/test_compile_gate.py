@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from backend_core.flydsl_compile import vgpr_budget
 from flydsl_backends import compile_gate as gate
 
 OK_ROW = dict(kernel="kda_decode_h12_fp32", arch="gfx950", vgpr=120, agpr=0, sgpr=40, lds=2048, scratch=0,
@@ -15,11 +16,11 @@ OK_ROW = dict(kernel="kda_decode_h12_fp32", arch="gfx950", vgpr=120, agpr=0, sgp
 
 def test_budget_matching_exact_then_longest_prefix_then_star():
     budgets = {"*": 256, "kda_decode": 160, "kda_decode_h32": 200, "kda_decode_h12_fp32": 128}
-    assert gate.vgpr_budget("kda_decode_h12_fp32", budgets) == 128
-    assert gate.vgpr_budget("kda_decode_h32_bf16", budgets) == 200
-    assert gate.vgpr_budget("kda_decode_h3_bf16", budgets) == 160
-    assert gate.vgpr_budget("other", budgets) == 256
-    assert gate.vgpr_budget("other", {"kda": 1}) is None
+    assert vgpr_budget("kda_decode_h12_fp32", budgets) == 128
+    assert vgpr_budget("kda_decode_h32_bf16", budgets) == 200
+    assert vgpr_budget("kda_decode_h3_bf16", budgets) == 160
+    assert vgpr_budget("other", budgets) == 256
+    assert vgpr_budget("other", {"kda": 1}) is None
 
 
 @pytest.mark.parametrize("change,reason", [
