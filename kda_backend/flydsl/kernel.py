@@ -547,13 +547,14 @@ def launch(p: KDAProblem) -> torch.Tensor:
 
 
 def _shipped() -> List[Spec]:
-    """The full cross product the project ships (50 specs; ~35-45 s per arch on 2 CPU cores):
+    """The full cross product the project ships (60 specs; ~45-55 s per arch on 2 CPU cores):
     H in SUPPORTED_H x state {fp32, bf16} x
       * fully fused (conv W=4, no conv bias, gated norm with BF16 norm_weight, int32 indices):
         gate from ``a`` or from f_b (R=128), safe gate (lower_bound) on and off -> 4 specs;
-      * post-conv packed form (no conv, no norm), plain gate, safe gate off -> 1 spec.
+      * post-conv packed form (no conv, no norm; SGLang's packed decode), plain gate, safe gate
+        on and off -> 2 specs.
     Other combinations (conv bias, FP32 norm_weight, int64 indices, other R, the packed form
-    with f_b / safe gate / norm) are supported and compile on first use (lru_cache)."""
+    with f_b / norm) are supported and compile on first use (lru_cache)."""
     out: List[Spec] = []
     for H in SUPPORTED_H:
         for state in ("fp32", "bf16"):
@@ -561,7 +562,8 @@ def _shipped() -> List[Spec]:
                 for safe in (False, True):
                     out.append(Spec(H=H, state=state, has_f_b=has_f_b, R=128 if has_f_b else 0, safe_gate=safe,
                                     fb_chunk=fb_chunk_for(state, has_f_b, 128)))
-            out.append(Spec(H=H, state=state, W=0, has_conv=False, has_norm=False))
+            for safe in (False, True):  # SGLang's packed decode (Kimi-Linear; Kimi-K3 with the safe gate)
+                out.append(Spec(H=H, state=state, W=0, has_conv=False, has_norm=False, safe_gate=safe))
     return out
 
 
