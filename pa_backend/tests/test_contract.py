@@ -116,8 +116,8 @@ def test_fp8_dtype_per_arch(monkeypatch):
     assert fp8_max(torch.float8_e4m3fnuz) == 240.0 and fp8_max(torch.float8_e4m3fn) == 448.0
 
 
-def test_unimplemented_slots_say_why():
+def test_flydsl_without_amd_gpu_says_why():
     case = make_pa_case([5], seed=6)
-    for name in ("flydsl",):
-        with pytest.raises(ValueError, match=f"backend='{name}' cannot serve this pa call: not available: the "):
-            case.call(name)
+    with pytest.raises(ValueError, match="backend='flydsl' cannot serve this pa call: not available: "
+                                         "(flydsl is not installed|no AMD GPU visible)"):
+        case.call("flydsl")
