@@ -20,7 +20,8 @@ from typing import Callable, Dict, Mapping, Optional, Sequence, Tuple
 
 from . import platform
 
-__all__ = ["SOURCES", "SOURCE_ENV", "AITER_MODULE", "requested_source", "find_aiter", "choose", "clear_cache"]
+__all__ = ["SOURCES", "SOURCE_ENV", "AITER_MODULE", "requested_source", "find_aiter", "choose", "select", "verdict_of",
+           "clear_cache"]
 
 SOURCES = ("auto", "aiter", "own")
 SOURCE_ENV = "FLYDSL_BACKENDS_SOURCE"
@@ -109,3 +110,23 @@ def choose(aiter: Verdict, own: Verdict) -> Tuple[Optional[str], str]:
     if want == "own":
         return None, f"{SOURCE_ENV}=own but the project's FlyDSL kernel cannot serve this call: {own[1]}"
     return None, f"AITER: {aiter[1]}; project kernel: {own[1]}"
+
+
+def select(device, aiter: Callable[[], Verdict], own: Callable[[], Verdict]) -> Tuple[str, str]:
+    """The source serving one call on ``device``: ``("aiter" | "own", why)``, or ValueError with the
+    reason (the device is not a FlyDSL-capable AMD GPU, or neither source covers the call)."""
+    ok, why = platform.flydsl_device_ok(device)
+    if not ok:
+        raise ValueError(f"backend='flydsl' cannot serve this call: {why}")
+    src, why = choose(aiter(), own())
+    if src is None:
+        raise ValueError(f"backend='flydsl' cannot serve this call: {why}")
+    return src, why
+
+
+def verdict_of(pick: Callable[[], Tuple[str, str]]) -> Verdict:
+    """``select``'s answer as an implementation's ``supports`` verdict."""
+    try:
+        return True, pick()[1]
+    except ValueError as exc:
+        return False, str(exc).split(": ", 1)[-1]

@@ -98,6 +98,24 @@ class OpRegistry:
             )
         return self._impls[name]
 
+    def supported_on(self, backend: str, device=None) -> bool:
+        """Whether ``backend`` can run this family's ops on ``device`` at all (None: the current
+        device); shapes are checked per call. ``flydsl`` needs an AMD GPU whose arch is FlyDSL's
+        build target, ``triton`` a GPU or the interpreter for CPU tensors."""
+        from . import platform
+
+        if not self.get(backend).is_available()[0]:
+            return False
+        if backend == "flydsl":
+            return platform.flydsl_device_ok(device)[0]
+        try:
+            dev = platform.device_info(device)
+        except ValueError:
+            return False
+        if backend == "triton" and dev.type == "cpu":
+            return platform.triton_interpreter_enabled()
+        return True
+
     def status(self) -> List[Tuple[str, bool, str]]:
         """(name, available, reason) for every implementation, for ``flydsl-backends info``."""
         return [(n, *impl.is_available()) for n, impl in self._impls.items()]

@@ -100,3 +100,12 @@ def install_fake_aiter(monkeypatch, functions: dict, version: str = "0.0.0-stand
     real = platform.module_available
     monkeypatch.setattr(platform, "module_available", lambda n: True if n in ("aiter", "flydsl") else real(n))
     flydsl_source.clear_cache()
+
+
+def pretend_flydsl_device(monkeypatch, registry) -> None:
+    """Make CPU tensors count as sitting on a FlyDSL-capable AMD GPU for ``registry``'s ``flydsl``
+    implementation (contract tests drive the real dispatch path against stand-in kernels)."""
+    from backend_core import platform
+
+    monkeypatch.setattr(platform, "flydsl_device_ok", lambda device=None: (True, "stand-in AMD gfx950"))
+    monkeypatch.setattr(registry.get("flydsl"), "_available_cache", (True, "stand-in"))

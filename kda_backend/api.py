@@ -12,7 +12,6 @@ from typing import Optional
 
 import torch
 
-from backend_core import platform
 from backend_core.registry import Implementation, OpRegistry
 
 from . import flydsl as _flydsl
@@ -113,19 +112,7 @@ def is_kda_decode_supported(device=None, backend: str = "flydsl") -> bool:
     """Whether ``backend`` can run KDA decode on ``device`` (None: the current device). For
     ``flydsl``: flydsl installed and the device an AMD GPU whose arch (gcnArchName, memoized per
     device index) is FlyDSL's build target; shapes are checked per call."""
-    impl = REGISTRY.get(backend)
-    ok, _ = impl.is_available()
-    if not ok:
-        return False
-    if backend == "flydsl":
-        return platform.flydsl_device_ok(device)[0]
-    try:
-        dev = platform.device_info(device)
-    except ValueError:
-        return False
-    if backend == "triton" and dev.type == "cpu":
-        return platform.triton_interpreter_enabled()
-    return True
+    return REGISTRY.supported_on(backend, device)
 
 
 kda_decode_ref = functools.partial(kda_decode, backend="torch")

@@ -95,6 +95,31 @@ class KDAProblem:
     def R(self) -> int:
         return 0 if self.f_a is None else int(self.f_a.shape[1])
 
+    def kernel_tensors(self) -> list:
+        """The tensor arguments the kernels take, in their order (x, conv_weight, conv_bias,
+        conv_state, a, f_a, f_b_weight, b, A_log, dt_bias, state, state_indices, output_gate,
+        norm_weight, out); an absent one is replaced by ``x`` (never read: its stage is compiled out)."""
+        d = self.x
+        return [t if t is not None else d for t in (
+            self.x, self.conv_weight, self.conv_bias, self.conv_state, self.a, self.f_a, self.f_b_weight, self.b,
+            self.A_log, self.dt_bias, self.state, self.state_indices, self.output_gate, self.norm_weight, self.out)]
+
+    def kernel_scalars(self) -> list:
+        """(num_slots, scale, lower_bound or 0, norm_eps) in the kernels' order."""
+        return [int(self.num_slots), float(self.scale),
+                float(self.lower_bound if self.lower_bound is not None else 0.0), float(self.norm_eps)]
+
+    def kernel_strides(self) -> list:
+        """Element strides in the kernels' order (0 for an absent tensor): x row; conv_weight 0, 1;
+        conv_state 0, 1, 2; a row; f_a row; f_b_weight 0, 1; b 0, 1; state slot; state_indices;
+        output_gate 0, 1; out 0, 1."""
+        def st(t, *dims):
+            return [int(t.stride(d)) if t is not None else 0 for d in dims]
+
+        return (st(self.x, 0) + st(self.conv_weight, 0, 1) + st(self.conv_state, 0, 1, 2) + st(self.a, 0)
+                + st(self.f_a, 0) + st(self.f_b_weight, 0, 1) + st(self.b, 0, 1) + st(self.state, 0)
+                + st(self.state_indices, 0) + st(self.output_gate, 0, 1) + st(self.out, 0, 1))
+
 
 def prepare(
     *,

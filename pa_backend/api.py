@@ -112,17 +112,4 @@ def is_pa_decode_supported(device=None, backend: str = "flydsl") -> bool:
     """Whether ``backend`` can run ``pa_decode`` on ``device`` (None: the current device). For
     ``flydsl``: flydsl and AITER's FlyDSL paged decode installed, and the device an AMD GPU whose
     arch (gcnArchName) is FlyDSL's build target. Shapes are checked per call."""
-    from backend_core import platform
-
-    impl = REGISTRY.get(backend)
-    if not impl.is_available()[0]:
-        return False
-    if backend == "flydsl":
-        return platform.flydsl_device_ok(device)[0]
-    try:
-        dev = platform.device_info(device)
-    except ValueError:
-        return False
-    if backend == "triton" and dev.type == "cpu":
-        return platform.triton_interpreter_enabled()
-    return True
+    return REGISTRY.supported_on(backend, device)

@@ -43,20 +43,11 @@ def _own_covers(p) -> Tuple[bool, str]:
 
 def source_for(p) -> Tuple[str, str]:
     """(``"aiter"`` or ``"own"``, why) for a validated call, or ValueError with the reason."""
-    ok, why = platform.flydsl_device_ok(p.device)
-    if not ok:
-        raise ValueError(f"backend='flydsl' cannot serve this call: {why}")
-    src, why = flydsl_source.choose(_aiter.covers(p), _own_covers(p))
-    if src is None:
-        raise ValueError(f"backend='flydsl' cannot serve this call: {why}")
-    return src, why
+    return flydsl_source.select(p.device, lambda: _aiter.covers(p), lambda: _own_covers(p))
 
 
 def supports(p) -> Tuple[bool, str]:
-    try:
-        return True, source_for(p)[1]
-    except ValueError as exc:
-        return False, str(exc).split(": ", 1)[-1]
+    return flydsl_source.verdict_of(lambda: source_for(p))
 
 
 def run(p):

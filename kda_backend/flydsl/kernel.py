@@ -494,36 +494,7 @@ def get_launcher(spec: Spec):
 
 
 def _args_of(p: KDAProblem) -> list:
-    d = p.x  # stand-in for absent tensors (never dereferenced: the flags compile those paths out)
-    cw, cb, cs = p.conv_weight, p.conv_bias, p.conv_state
-    gate, nw = p.output_gate, p.norm_weight
-    return [
-        p.x,
-        cw if cw is not None else d,
-        cb if cb is not None else d,
-        cs if cs is not None else d,
-        p.a if p.a is not None else d,
-        p.f_a if p.f_a is not None else d,
-        p.f_b_weight if p.f_b_weight is not None else d,
-        p.b, p.A_log, p.dt_bias, p.state, p.state_indices,
-        gate if gate is not None else d,
-        nw if nw is not None else d,
-        p.out,
-        int(p.num_slots), float(p.scale), float(p.lower_bound if p.lower_bound is not None else 0.0),
-        float(p.norm_eps),
-        p.x.stride(0),
-        cw.stride(0) if cw is not None else 0, cw.stride(1) if cw is not None else 0,
-        cs.stride(0) if cs is not None else 0, cs.stride(1) if cs is not None else 0,
-        cs.stride(2) if cs is not None else 0,
-        p.a.stride(0) if p.a is not None else 0,
-        p.f_a.stride(0) if p.f_a is not None else 0,
-        p.f_b_weight.stride(0) if p.f_b_weight is not None else 0,
-        p.f_b_weight.stride(1) if p.f_b_weight is not None else 0,
-        p.b.stride(0), p.b.stride(1), p.state.stride(0), p.state_indices.stride(0),
-        gate.stride(0) if gate is not None else 0, gate.stride(1) if gate is not None else 0,
-        p.out.stride(0), p.out.stride(1),
-        p.B,
-    ]
+    return p.kernel_tensors() + p.kernel_scalars() + p.kernel_strides() + [p.B]
 
 
 def launch(p: KDAProblem) -> torch.Tensor:
@@ -579,7 +550,6 @@ def example_problem(spec: Spec, B: int = 2, slots: int = 4, width_major_conv: bo
     bf, f32 = torch.bfloat16, torch.float32
     sdt = f32 if spec.state == "fp32" else bf
     x = torch.zeros(B, C, dtype=bf)
-    kw = {}
     if spec.has_conv:
         W = spec.W
         cw = torch.zeros(C, W, dtype=f32)

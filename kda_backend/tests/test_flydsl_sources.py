@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from backend_core import flydsl_source, platform
-from backend_core.testing import amd_props, clear_device_memos, fake_gpus, install_fake_aiter, nvidia_props
+from backend_core.testing import (amd_props, clear_device_memos, fake_gpus, install_fake_aiter, nvidia_props,
+                                  pretend_flydsl_device)
 from kda_backend import REGISTRY, is_kda_decode_supported
 from kda_backend import flydsl as kflydsl
 from kda_backend.flydsl import aiter as kaiter
@@ -30,10 +31,8 @@ def standin(monkeypatch):
 
 @pytest.fixture
 def amd_here(monkeypatch):
-    """Pretend the CPU tensors sit on a FlyDSL-capable AMD device (the registry path then runs)."""
-    monkeypatch.setattr(platform, "flydsl_device_ok", lambda device=None: (True, "stand-in AMD gfx950"))
-    impl = REGISTRY.get("flydsl")
-    monkeypatch.setattr(impl, "_available_cache", (True, "stand-in"))
+    """CPU tensors count as sitting on a FlyDSL-capable AMD device (the registry path then runs)."""
+    pretend_flydsl_device(monkeypatch, REGISTRY)
 
 
 def run_both(case, fn):

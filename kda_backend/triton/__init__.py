@@ -116,32 +116,8 @@ def run(p: KDAProblem) -> torch.Tensor:
         cnt, ows = WORKSPACE.get(p.device, p.B * p.H, p.V)
     else:
         cnt, ows = dummy, dummy
-    cw, cb, cs = p.conv_weight, p.conv_bias, p.conv_state
-    gate, nw = p.output_gate, p.norm_weight
     kda_decode_kernel[(nv, p.H, p.B)](
-        p.x,
-        cw if cw is not None else dummy,
-        cb if cb is not None else dummy,
-        cs if cs is not None else dummy,
-        p.a if p.a is not None else dummy,
-        p.f_a if p.f_a is not None else dummy,
-        p.f_b_weight if p.f_b_weight is not None else dummy,
-        p.b, p.A_log, p.dt_bias, p.state, p.state_indices,
-        gate if gate is not None else dummy,
-        nw if nw is not None else dummy,
-        p.out, cnt, ows,
-        p.num_slots, p.scale, p.lower_bound if p.lower_bound is not None else 0.0, p.norm_eps,
-        p.x.stride(0),
-        cw.stride(0) if cw is not None else 0, cw.stride(1) if cw is not None else 0,
-        cs.stride(0) if cs is not None else 0, cs.stride(1) if cs is not None else 0,
-        cs.stride(2) if cs is not None else 0,
-        p.a.stride(0) if p.a is not None else 0,
-        p.f_a.stride(0) if p.f_a is not None else 0,
-        p.f_b_weight.stride(0) if p.f_b_weight is not None else 0,
-        p.f_b_weight.stride(1) if p.f_b_weight is not None else 0,
-        p.b.stride(0), p.b.stride(1), p.state.stride(0), p.state_indices.stride(0),
-        gate.stride(0) if gate is not None else 0, gate.stride(1) if gate is not None else 0,
-        p.out.stride(0), p.out.stride(1),
+        *p.kernel_tensors(), cnt, ows, *p.kernel_scalars(), *p.kernel_strides(),
         H=p.H, K=p.K, V=p.V, BV=bv, W=max(p.W, 2), R=max(p.R, 1), BR=cfg["BR"], RC=cfg["RC"],
         HAS_CONV=p.has_conv, HAS_BIAS=p.conv_bias is not None, HAS_FB=p.has_f_b, HAS_NORM=p.has_norm,
         USE_LOWER_BOUND=p.lower_bound is not None,

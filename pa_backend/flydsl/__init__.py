@@ -33,20 +33,11 @@ def available() -> Tuple[bool, str]:
 
 
 def source_for(p) -> Tuple[str, str]:
-    ok, why = platform.flydsl_device_ok(p.device)
-    if not ok:
-        raise ValueError(f"backend='flydsl' cannot serve this call: {why}")
-    src, why = flydsl_source.choose(_aiter.covers(p), (False, OWN_REASON))
-    if src is None:
-        raise ValueError(f"backend='flydsl' cannot serve this call: {why}")
-    return src, why
+    return flydsl_source.select(p.device, lambda: _aiter.covers(p), lambda: (False, OWN_REASON))
 
 
 def supports(p) -> Tuple[bool, str]:
-    try:
-        return True, source_for(p)[1]
-    except ValueError as exc:
-        return False, str(exc).split(": ", 1)[-1]
+    return flydsl_source.verdict_of(lambda: source_for(p))
 
 
 def run(p):

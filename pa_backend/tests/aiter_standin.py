@@ -3,7 +3,6 @@ tests: the documented signature and conventions (output first and contiguous, [1
 scales, partition count covering the table), computed with the project's reference. Anything
 else raises TypeError, so a wrong mapping fails the test."""
 
-import torch
 
 from pa_backend import pa_decode as _ref_decode
 

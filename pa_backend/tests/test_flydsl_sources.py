@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from backend_core import flydsl_source, platform
-from backend_core.testing import amd_props, clear_device_memos, fake_gpus, install_fake_aiter, nvidia_props
+from backend_core.testing import (amd_props, clear_device_memos, fake_gpus, install_fake_aiter, nvidia_props,
+                                  pretend_flydsl_device)
 from pa_backend import REGISTRY, fp8_dtype_for, is_pa_decode_supported
 from pa_backend import flydsl as pflydsl
 from pa_backend.contract import prepare_attention, prepare_write
@@ -29,8 +30,8 @@ def standin(monkeypatch):
 
 @pytest.fixture
 def amd_here(monkeypatch):
-    monkeypatch.setattr(platform, "flydsl_device_ok", lambda device=None: (True, "stand-in AMD gfx950"))
-    monkeypatch.setattr(REGISTRY.get("flydsl"), "_available_cache", (True, "stand-in"))
+    """CPU tensors count as sitting on a FlyDSL-capable AMD device (the registry path then runs)."""
+    pretend_flydsl_device(monkeypatch, REGISTRY)
 
 
 def problem(case):
