@@ -1,0 +1,106 @@
+"""Framework plugins: the targets of the package's entry points.
+
+* ``register_sglang()`` — entry point group ``sglang.srt.plugins`` (SGLang 0.5.23 calls it with no
+  arguments in every process, before argument parsing). It adds ``flydsl`` to the choices of
+  ``--attention-backend`` (and ``--decode-/--prefill-attention-backend``) and of
+  ``--linear-attn-decode-backend``, registers the attention backend factory, the KV-pool hook of
+  the FP8 x-packed layout, the KDA decode-kernel hook and a resolution-time check that rejects
+  unsupported combinations with a message naming a working one.
+
+Each function is idempotent. Importing this module imports nothing but the standard library;
+the framework modules are imported inside the functions (the framework is already loaded when it
+calls them), and FlyDSL / Triton only when a kernel first runs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+__all__ = ["register_sglang", "check_sglang_args"]
+
+log = logging.getLogger("flydsl_backends.plugins")
+_lock = threading.Lock()
+_done = set()
+
+FLYDSL = "flydsl"
+PAGE_SIZES = (16, 64, 128)
+FP8_KV_DTYPES = ("fp8_e4m3",)
+
+
+def _once(name: str) -> bool:
+    with _lock:
+        if name in _done:
+            return False
+        _done.add(name)
+        return True
+
+
+def check_sglang_args(cfg, is_mla: bool) -> None:
+    """Reject flag combinations the flydsl backends cannot serve (``cfg``: resolved server args).
+    Raises ValueError naming the flag, what was given and a combination that works."""
+    prefill = cfg.prefill_attention_backend or cfg.attention_backend
+    decode = cfg.decode_attention_backend or cfg.attention_backend
+    if FLYDSL not in (prefill, decode):
+        return
+    if is_mla:
+        raise ValueError(
+            "--attention-backend flydsl serves MHA/GQA attention; this model's full-attention layers are MLA "
+            "(Kimi-Linear, Kimi-K3, DeepSeek). Keep the platform's MLA backend and use flydsl for the KDA layers: "
+            "--attention-backend aiter --linear-attn-decode-backend flydsl (AMD) or --attention-backend triton "
+            "--linear-attn-decode-backend flydsl")
+    kv = str(cfg.kv_cache_dtype or "auto")
+    if kv not in FP8_KV_DTYPES:
+        raise ValueError(
+            f"--attention-backend flydsl reads an FP8 KV cache: use --kv-cache-dtype fp8_e4m3 (got {kv!r}; on "
+            "MI300X/gfx942 the pool stores e4m3fnuz automatically)")
+    page = cfg.page_size
+    if page not in PAGE_SIZES:
+        raise ValueError(f"--attention-backend flydsl supports --page-size 16, 64 or 128 (got {page}); "
+                         "e.g. --page-size 16")
+
+
+def _resolution_check(server_args, previous) -> None:
+    previous(server_args)
+    from sglang.srt.arg_groups.model_override_base import resolved_view, use_mla_backend
+
+    cfg = resolved_view(server_args)
+    prefill = cfg.prefill_attention_backend or cfg.attention_backend
+    decode = cfg.decode_attention_backend or cfg.attention_backend
+    if FLYDSL in (prefill, decode):
+        check_sglang_args(cfg, use_mla_backend(server_args))
+
+
+def _create_attn_backend(runner):
+    from pa_backend.sglang import FlyDSLAttnBackend  # lazy: keeps the launcher free of kernel imports
+
+    return FlyDSLAttnBackend(runner)
+
+
+def register_sglang() -> None:
+    """Entry point of ``sglang.srt.plugins`` (idempotent)."""
+    if not _once("sglang"):
+        return
+    from sglang.srt.arg_groups.choices import (
+        ATTENTION_BACKEND_CHOICES,
+        LINEAR_ATTN_KERNEL_BACKEND_CHOICES,
+        add_attention_backend_choices,
+        add_linear_attn_kernel_backend_choices,
+    )
+    from sglang.srt.arg_groups.resolution_hooks import register_resolution_hook
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if FLYDSL not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([FLYDSL])
+    if FLYDSL not in LINEAR_ATTN_KERNEL_BACKEND_CHOICES:
+        add_linear_attn_kernel_backend_choices([FLYDSL])
+    register_attention_backend(FLYDSL)(_create_attn_backend)
+    register_resolution_hook("handle_other_validations")(_resolution_check)
+
+    import kda_backend.sglang as kda_sglang
+    import pa_backend.sglang as pa_sglang
+
+    kda_sglang.register_hooks(HookRegistry, HookType)  # KDA decode kernel (+ Kimi-K3 fused decode)
+    pa_sglang.install_kv_pool_hook()  # the FP8 x-packed KV pool for --attention-backend flydsl
+    log.info("flydsl-backends: SGLang plugin registered (--attention-backend flydsl, --linear-attn-decode-backend flydsl)")

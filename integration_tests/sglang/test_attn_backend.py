@@ -1,0 +1,366 @@
+"""FlyDSLAttnBackend against real SGLang 0.5.23 objects (pools, ForwardBatch, RadixAttention) and
+SGLang's own torch_native backend. CPU: the ops run with backend="torch" (the reference).
+
+Run: PYTHONPATH=integration_tests/stubs:. /work/venv-sgl/bin/python -m pytest -q integration_tests/sglang
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import os
+
+import pytest
+import torch
+
+try:
+    import sglang.srt.layers.attention.base_attn_backend  # noqa: F401
+    import sglang.srt.mem_cache.memory_pool  # noqa: F401
+except Exception as exc:  # pragma: no cover - depends on the environment
+    pytest.skip(f"sglang 0.5.23 is not importable here ({type(exc).__name__}: {exc}); use the /work/venv-sgl "
+                "venv with PYTHONPATH=integration_tests/stubs:.", allow_module_level=True)
+
+from integration_tests.sglang import harness as H  # noqa: E402
+
+import pa_backend.sglang as pas  # noqa: E402
+
+# FP8 KV: both sides hold identical FP8 bytes (checked below), so the outputs differ only by the
+# order of fp32 vs bf16 accumulation and the final bf16 rounding.
+ATOL, RTOL = 2e-2, 2e-2
+
+CASES = {
+    "decode": dict(mode="decode", prefix_lens=(14, 15, 40, 1)),
+    "extend": dict(mode="extend", prefix_lens=(0, 8, 17, 33), extend_lens=(15, 8, 3, 20)),
+    "mixed": dict(mode="mixed", prefix_lens=(20, 5, 0, 70), extend_lens=(1, 1, 7, 1)),
+}
+
+
+def _close(a, b, atol=ATOL, rtol=RTOL):
+    torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol)
+
+
+def _live_slots(fx):
+    c = fx.case
+    return sorted(fx.slots[r][pos] for r in range(c.bs) for pos in range(c.seq_lens[r]))
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("mode", ["decode", "extend", "mixed"])
+def test_matches_torch_native(mode, page_size):
+    case = H.Case(page_size=page_size, seed=hash((mode, page_size)) % 1000, **CASES[mode])
+    fx = H.build_fixture(case)
+    out = H.run_side(fx.flydsl, fx.q, fx.k, fx.v)
+    ref = H.run_side(fx.ref, fx.q, fx.k, fx.v)
+    assert out[0].shape == (sum(case.input_lens), case.num_heads * case.head_dim)
+    for layer_idx, (a, b) in enumerate(zip(out, ref)):
+        _close(a, b)
+        # same FP8 bytes in both pools at every live slot (prefix + the tokens this forward wrote)
+        ka, va = H.slot_bytes(fx.flydsl.runner.token_to_kv_pool, layer_idx)
+        kb, vb = H.slot_bytes(fx.ref.runner.token_to_kv_pool, layer_idx)
+        live = torch.tensor(_live_slots(fx))
+        assert torch.equal(ka[live], kb[live]) and torch.equal(va[live], vb[live])
+        # nothing else was written (page 0 included: no padded rows here)
+        mask = torch.ones(ka.shape[0], dtype=torch.bool)
+        mask[live] = False
+        assert int(ka[mask].count_nonzero()) == 0 and int(va[mask].count_nonzero()) == 0
+    # and against an independent dequantize-and-softmax reference over the flydsl pool
+    _close(out[0], H.fp8_reference_attention(case, fx.flydsl, fx.q))
+
+
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+def test_sliding_window_matches_torch_native(mode):
+    case = H.Case(page_size=16, sliding_window_size=7, seed=5, **CASES[mode])
+    fx = H.build_fixture(case, num_layers=1)
+    out = H.run_side(fx.flydsl, fx.q, fx.k, fx.v)
+    ref = H.run_side(fx.ref, fx.q, fx.k, fx.v)
+    _close(out[0], ref[0])
+    _close(out[0], H.fp8_reference_attention(case, fx.flydsl, fx.q))
+
+
+def test_sinks_kwarg():
+    case = H.Case(page_size=16, seed=9, **CASES["mixed"])
+    fx = H.build_fixture(case, num_layers=1, with_sinks=True)
+    out = H.run_side(fx.flydsl, fx.q, fx.k, fx.v, sinks=fx.sinks)
+    _close(out[0], H.fp8_reference_attention(case, fx.flydsl, fx.q, sinks=fx.sinks))
+    no_sink = H.fp8_reference_attention(case, fx.flydsl, fx.q)
+    assert (out[0].float() - no_sink).abs().max() > 1e-2  # the sinks did change the result
+
+
+def test_per_tensor_scales_write_and_read():
+    """Layer k_scale / v_scale (as the FP8 checkpoint loader sets them): the pool stores x / scale,
+    attention multiplies by scale; the caller's K/V are not modified."""
+    case = H.Case(page_size=16, seed=3, **CASES["extend"])
+    side, slots = H.build_side(case, "flydsl", num_layers=1)
+    layer = side.layers[0]
+    layer.k_scale = torch.nn.Parameter(torch.tensor(0.25), requires_grad=False)
+    layer.v_scale = torch.nn.Parameter(torch.tensor(4.0), requires_grad=False)
+    layer.k_scale_float, layer.v_scale_float = 0.25, 4.0
+    fx = H.build_fixture(case, num_layers=1)  # for inputs only
+    k, v = fx.k.clone(), fx.v.clone()
+    out = H.run_side(side, fx.q, k, v)
+    assert torch.equal(k, fx.k) and torch.equal(v, fx.v)
+    pool = side.runner.token_to_kv_pool
+    kc, vc = pool.caches(0)
+    loc = side.forward_batch.out_cache_loc
+    P = case.page_size
+    got_k = kc[loc // P, :, :, loc % P, :].reshape(len(loc), -1).float()
+    want_k = (fx.k.float() / 0.25).to(H.FP8).float()
+    assert torch.equal(got_k, want_k)
+    got_v = vc[loc // P, :, (loc % P) // 16, :, loc % 16].reshape(len(loc), -1).float()
+    assert torch.equal(got_v, (fx.v.float() / 4.0).to(H.FP8).float())
+    _close(out[0], H.fp8_reference_attention(case, side, fx.q), atol=8e-2, rtol=4e-2)
+
+
+# ------------------------------------------------------------------------------------------
+# CUDA-graph metadata: capture then replay of a padded batch (host side; the graph itself is the
+# GPU test below)
+
+
+def test_cuda_graph_capture_then_padded_replay():
+    live = H.Case(mode="decode", page_size=16, prefix_lens=(20, 37), seed=11)
+    max_bs = 4
+    side, slots = H.build_side(live, "flydsl", num_reqs=max_bs + 1)
+    ref, _ = H.build_side(live, "torch_native", num_reqs=max_bs + 1, slots=slots)
+    g = torch.Generator().manual_seed(4)
+    npre = sum(live.prefix_lens)
+    prefix = [(torch.randn(npre, H.HKV, H.HEAD_DIM, generator=g).bfloat16(),
+               torch.randn(npre, H.HKV, H.HEAD_DIM, generator=g).bfloat16()) for _ in side.layers]
+    H.populate_prefix(side, live, slots, prefix)
+    H.populate_prefix(ref, live, slots, prefix)
+    be = side.backend
+    assert be.get_cuda_graph_seq_len_fill_value() == 1
+    be.init_cuda_graph_state(max_bs, max_bs)
+    bt_buf, cl_buf = be.cuda_graph_block_tables, be.cuda_graph_context_lens
+
+    # capture: SGLang zeroes req_pool_indices / out_cache_loc and fills seq_lens with the fill value
+    cap = H.decode_batch(side.runner, [0] * max_bs, [1] * max_bs, [0] * max_bs, "cpu")
+    be.init_forward_metadata_out_graph(cap, in_capture=True)
+    md = be.forward_metadata
+    assert md.block_tables.data_ptr() == bt_buf.data_ptr() and md.context_lens.data_ptr() == cl_buf.data_ptr()
+    assert md.block_tables.shape == (max_bs, be.max_blocks)
+    assert int(md.block_tables.abs().sum()) == 0 and md.context_lens.tolist() == [1] * max_bs
+    # the warmup runs (eager, what capture records): padded rows read/write page 0 only
+    pool = side.runner.token_to_kv_pool
+    before = [tuple(t.clone() for t in H.slot_bytes(pool, i)) for i in range(len(side.layers))]
+    qc = torch.randn(max_bs, H.HQ * H.HEAD_DIM, generator=g).bfloat16()
+    kvc = torch.randn(max_bs, H.HKV * H.HEAD_DIM, generator=g).bfloat16()
+    warm = H.run_side(H.Side(side.runner, be, side.layers, cap), qc, kvc, kvc, init=False)
+    assert all(torch.isfinite(o.float()).all() for o in warm)
+    for i in range(len(side.layers)):
+        for a, b in zip(before[i], H.slot_bytes(pool, i)):
+            changed = (a != b).any(dim=1).nonzero().flatten().tolist()
+            assert set(changed) <= {0}, changed  # only slot 0 (SGLang's padding target)
+
+    # replay: 2 live rows padded to 4 (rows 0, seq_len 1, loc 0)
+    rows = [1, 2, 0, 0]
+    seq = list(live.seq_lens) + [1, 1]
+    locs = [slots[0][live.seq_lens[0] - 1], slots[1][live.seq_lens[1] - 1], 0, 0]
+    rep = H.decode_batch(side.runner, rows, seq, locs, "cpu")
+    be.init_forward_metadata_out_graph(H.replay_view(rep, num_padding=2))
+    md = be.forward_metadata
+    assert md.block_tables.data_ptr() == bt_buf.data_ptr() and md.context_lens.data_ptr() == cl_buf.data_ptr()
+    assert be.cuda_graph_block_tables is bt_buf and be.cuda_graph_context_lens is cl_buf
+    P = live.page_size
+    for r in range(2):
+        npages = -(-live.seq_lens[r] // P)
+        assert md.block_tables[r, :npages].tolist() == [slots[r][j * P] // P for j in range(npages)]
+    assert int(md.block_tables[2:].abs().sum()) == 0 and md.context_lens.tolist() == seq
+
+    # the graph body, run eagerly on the replay metadata (no init_forward_metadata)
+    before = [tuple(t.clone() for t in H.slot_bytes(pool, i)) for i in range(len(side.layers))]
+    q = torch.randn(max_bs, H.HQ * H.HEAD_DIM, generator=g).bfloat16()
+    k = torch.randn(max_bs, H.HKV * H.HEAD_DIM, generator=g).bfloat16()
+    v = torch.randn(max_bs, H.HKV * H.HEAD_DIM, generator=g).bfloat16()
+    out = H.run_side(H.Side(side.runner, be, side.layers, rep), q, k, v, init=False)
+    ref_fb = H.decode_batch(ref.runner, rows[:2], seq[:2], locs[:2], "cpu")
+    want = H.run_side(H.Side(ref.runner, ref.backend, ref.layers, ref_fb), q[:2], k[:2], v[:2])
+    for i, (o, w) in enumerate(zip(out, want)):
+        _close(o[:2], w)
+        assert torch.isfinite(o.float()).all()
+        after = H.slot_bytes(pool, i)
+        for a, b in zip(before[i], after):
+            changed = set((a != b).any(dim=1).nonzero().flatten().tolist())
+            assert changed <= {0, locs[0], locs[1]}, changed
+            assert {locs[0], locs[1]} <= changed
+        # live rows' new K/V are the FP8 of the inputs, same bytes as SGLang's own pool wrote
+        ka, va = after
+        kb, vb = H.slot_bytes(ref.runner.token_to_kv_pool, i)
+        assert torch.equal(ka[locs[:2]], kb[locs[:2]]) and torch.equal(va[locs[:2]], vb[locs[:2]])
+        # page 0: only slot 0 (the padded writes) may ever be non-zero
+        assert int(ka[1:P].count_nonzero()) == 0 and int(va[1:P].count_nonzero()) == 0
+
+
+# ------------------------------------------------------------------------------------------
+# pool: hook, layout, moves
+
+
+def test_kv_pool_hook_selects_pool_only_for_flydsl():
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.platforms import current_platform
+    from sglang.srt.runtime_context import get_context
+
+    pas.install_kv_pool_hook()
+    assert pas.install_kv_pool_hook() is False  # idempotent
+    get_context().override_server_args(attention_backend="flydsl", kv_cache_dtype="fp8_e4m3").install()
+    try:
+        assert current_platform.get_kv_pool_cls(kind="mha") is pas.FlyDSLMHATokenToKVPool
+        assert current_platform.get_kv_pool_cls(kind="mla") is None
+        resolved = KVCacheConfigurator._resolve_kv_pool_class(None, kind="mha", default=MHATokenToKVPool)
+        assert resolved is pas.FlyDSLMHATokenToKVPool
+    finally:
+        get_context().override_server_args(attention_backend="torch_native").install()
+    assert current_platform.get_kv_pool_cls(kind="mha") is None
+
+
+def test_pool_layout_and_page_aware_moves():
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout
+
+    Pool = pas.FlyDSLMHATokenToKVPool
+    pool = Pool(size=4 * 16, page_size=16, dtype=H.FP8, head_num=2, head_dim=64, layer_num=2, device="cpu",
+                enable_memory_saver=False, enable_alt_stream=False)
+    assert pool.kv_cache_layout == "vectorized_5d"
+    assert tuple(pool.k_buffer[0].shape) == (5, 2, 4, 16, 16) and pool.k_buffer[0].dtype == torch.uint8
+    assert tuple(pool.v_buffer[0].shape) == (5, 2, 1, 64, 16)
+    assert pool.get_key_buffer(0).dtype == H.FP8
+    assert pool._mha_buffers().layout == KVBufferLayout.VECTORIZED_5D
+    layer = H.make_layers(H.Case(mode="decode", page_size=16, prefix_lens=(1,)), 2)[1]
+    k = torch.randn(3, 2, 64).bfloat16()
+    v = torch.randn(3, 2, 64).bfloat16()
+    pool.set_kv_buffer(layer, torch.tensor([17, -1, 40]), k, v)  # -1 skipped
+    kb, vb = H.slot_bytes(pool, 1)
+    assert int(kb[[i for i in range(kb.shape[0]) if i not in (17, 40)]].count_nonzero()) == 0
+    assert torch.equal(kb[17], k[0].to(H.FP8).view(torch.uint8).reshape(-1))
+    assert torch.equal(vb[40], v[2].to(H.FP8).view(torch.uint8).reshape(-1))
+    pool.move_kv_cache(torch.tensor([63, 33]), torch.tensor([17, 40]))
+    kb2, vb2 = H.slot_bytes(pool, 1)
+    assert torch.equal(kb2[63], kb[17]) and torch.equal(vb2[33], vb[40])
+    cpu = pool.get_cpu_copy([17, 40])
+    pool2 = Pool(size=4 * 16, page_size=16, dtype=H.FP8, head_num=2, head_dim=64, layer_num=2, device="cpu",
+                 enable_memory_saver=False, enable_alt_stream=False)
+    pool2.load_cpu_copy(cpu, [17, 40])
+    for i in range(2):
+        assert all(torch.equal(a[[17, 40]], b[[17, 40]]) for a, b in zip(H.slot_bytes(pool, i),
+                                                                          H.slot_bytes(pool2, i)))
+
+
+# ------------------------------------------------------------------------------------------
+# construction errors
+
+
+def _runner_kwargs(**over):
+    kw = dict(backend_name="flydsl", page_size=16, device="cpu", dtype=torch.bfloat16, kv_dtype=H.FP8, num_reqs=2,
+              max_context_len=64, num_heads=8, num_kv_heads=2, head_dim=64, layer_num=1, pool_cls=None)
+    kw.update(over)
+    kw["pool_cls"] = kw["pool_cls"] or pas.FlyDSLMHATokenToKVPool
+    return kw
+
+
+@pytest.mark.parametrize("over, flag", [
+    (dict(page_size=32), "--page-size"),
+    (dict(kv_dtype=torch.bfloat16), "--kv-cache-dtype"),
+    (dict(head_dim=96), "head_dim"),
+])
+def test_unsupported_config_rejected(over, flag):
+    with pytest.raises(ValueError, match=flag) as ei:
+        H._mock_runner_class()(**_runner_kwargs(**over))
+    assert "working combination" in str(ei.value)
+
+
+def test_backend_rejects_mla_and_foreign_pool():
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    runner = H._mock_runner_class()(**_runner_kwargs())
+    runner.use_mla_backend = True
+    with pytest.raises(ValueError, match="MLA"):
+        pas.FlyDSLAttnBackend(runner, pa_impl="torch")
+    runner = H._mock_runner_class()(**_runner_kwargs(pool_cls=MHATokenToKVPool))
+    with pytest.raises(ValueError, match="install_kv_pool_hook"):
+        pas.FlyDSLAttnBackend(runner, pa_impl="torch")
+    runner = H._mock_runner_class()(**_runner_kwargs())
+    runner.dtype = torch.float32
+    with pytest.raises(ValueError, match="--dtype"):
+        pas.FlyDSLAttnBackend(runner, pa_impl="torch")
+
+
+def test_import_does_not_pull_sglang():
+    code = ("import sys, pa_backend, pa_backend.sglang; "
+            "bad = [m for m in sys.modules if m == 'sglang' or m.startswith('sglang.')]; "
+            "assert not bad, bad[:5]")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: real CUDA-graph capture + replays of the backend's decode (Triton ops) == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graph_decode_replays_equal_eager_gpu():
+    dev = "cuda"
+    max_bs, P = 4, 16
+    live = H.Case(mode="decode", page_size=P, prefix_lens=(20, 37, 5), seed=21)
+    side, slots = H.build_side(live, "flydsl", device=dev, num_reqs=max_bs + 1, pa_impl="triton")
+    be, runner, layers = side.backend, side.runner, side.layers
+    g = torch.Generator().manual_seed(8)
+    npre = sum(live.prefix_lens)
+    prefix = [(torch.randn(npre, H.HKV, H.HEAD_DIM, generator=g).bfloat16().to(dev),
+               torch.randn(npre, H.HKV, H.HEAD_DIM, generator=g).bfloat16().to(dev)) for _ in layers]
+    H.populate_prefix(side, live, slots, prefix)
+    be.init_cuda_graph_state(max_bs, max_bs)
+
+    # static inputs (what the graph runner owns); capture values: rows 0, seq_len 1, loc 0
+    q_s = torch.zeros(max_bs, H.HQ * H.HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    k_s = torch.zeros(max_bs, H.HKV * H.HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    v_s = torch.zeros_like(k_s)
+    fb = H.decode_batch(runner, [0] * max_bs, [1] * max_bs, [0] * max_bs, dev)
+    be.init_forward_metadata_out_graph(fb, in_capture=True)
+
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    def body():
+        return [layer(q_s, k_s, v_s, fb) for layer in layers]
+
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=be)):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warmup: compile kernels outside the capture
+                body()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outs = body()
+        torch.cuda.synchronize()
+
+        for step in range(3):
+            n_live = 2 + step % 2  # 2 or 3 live rows, padded to 4
+            seq = [live.prefix_lens[r] + 1 + step for r in range(n_live)]
+            locs = [slots[r][seq[r] - 1] for r in range(n_live)]
+            rows = [r + 1 for r in range(n_live)]
+            pad = max_bs - n_live
+            q = torch.randn(max_bs, q_s.shape[1], generator=g).bfloat16().to(dev)
+            k = torch.randn(max_bs, k_s.shape[1], generator=g).bfloat16().to(dev)
+            v = torch.randn(max_bs, k_s.shape[1], generator=g).bfloat16().to(dev)
+            q_s.copy_(q), k_s.copy_(k), v_s.copy_(v)
+            fb.req_pool_indices.copy_(torch.tensor(rows + [0] * pad, device=dev))
+            fb.seq_lens.copy_(torch.tensor(seq + [1] * pad, device=dev))
+            fb.out_cache_loc.copy_(torch.tensor(locs + [0] * pad, device=dev))
+            be.init_forward_metadata_out_graph(H.replay_view(fb, num_padding=pad))
+            graph.replay()
+            torch.cuda.synchronize()
+            got = [o[:n_live].clone() for o in outs]
+
+            # eager, same padded batch, fresh metadata (rewrites the same K/V bytes)
+            efb = H.decode_batch(runner, rows + [0] * pad, seq + [1] * pad, locs + [0] * pad, dev)
+            be.init_forward_metadata(efb)
+            eager = [layer(q.clone(), k.clone(), v.clone(), efb) for layer in layers]
+            torch.cuda.synchronize()
+            for i, (a, b) in enumerate(zip(got, eager)):
+                torch.testing.assert_close(a.float(), b[:n_live].float(), atol=1e-3, rtol=1e-3)
+            # and both against the dequantize reference over the pool
+            case = H.Case(mode="decode", page_size=P, prefix_lens=tuple(s - 1 for s in seq), seed=0)
+            ref_side = H.Side(runner, be, layers, H.decode_batch(runner, rows, seq, locs, dev))
+            ref = H.fp8_reference_attention(case, ref_side, q[:n_live])
+            _close(got[0], ref)
