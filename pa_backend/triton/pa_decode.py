@@ -35,8 +35,14 @@
 #
 # Offsets: block ids and row offsets are int64 (caches > 2 GiB); offsets inside one block are int32.
 
+import os
+
 import triton
 import triton.language as tl
+
+# probe switches (experiment only)
+_QK16: tl.constexpr = tl.constexpr(os.environ.get("PA_PROBE_QK16", "0") == "1")
+_VSQ: tl.constexpr = tl.constexpr(os.environ.get("PA_PROBE_VSQ", "0") == "1" and not triton.knobs.runtime.interpret)
 
 
 @triton.jit
@@ -91,7 +97,13 @@ def pa_decode_partition_kernel(
     seq, q0, nrows, ctx = _rows_of(p_cl, p_chunks, i_s, QL, RAGGED)
     m_valid = (o_m < G * QL) & (row < nrows)
     p_qrow = p_q + (q0 + row)[:, None] * stride_q_t + (i_h * G + grp)[:, None] * stride_q_h + o_d[None, :]
-    b_q = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(QK_DTYPE)
+    if _QK16:
+        b_qf = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(tl.float32)
+        q_e = tl.max(tl.abs(b_qf), 1).to(tl.int32, bitcast=True) & 0x7F800000
+        q_pow = tl.where(q_e > 0, q_e.to(tl.float32, bitcast=True), 1.0)
+        b_q = (b_qf * (1.0 / q_pow)[:, None]).to(tl.float16)
+    else:
+        b_q = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(QK_DTYPE)
     last = ctx - nrows + row  # row sees tokens 0..last
     first = tl.where(sliding_window > 0, last - sliding_window + 1, 0)
 
@@ -103,6 +115,10 @@ def pa_decode_partition_kernel(
     qk_scale = softmax_scale * 1.4426950408889634  # scores in log2 units: exp2 below
     if not K_PER_TOKEN:
         qk_scale = qk_scale * tl.load(p_ks)
+    if _QK16:
+        row_scale = qk_scale * q_pow
+    else:
+        row_scale = tl.full([BM], 1.0, tl.float32) * qk_scale
     # Token tiles of BT tokens: a tile spans BT / BS blocks (BT >= BS) or a part of one (BT < BS);
     # each token's block id is gathered from the table, masked past the partition's end, so table
     # entries past the context are never dereferenced. Constexpr trip count (NBP * BS / BT).
@@ -128,7 +144,7 @@ def pa_decode_partition_kernel(
         p_k = p_kc + i_h * stride_kc_h + b[:, None, None, None] * stride_kc_b \
             + t_p[None, :, None, None] * stride_kc_t + o_c[None, None, :, None] * stride_kc_c + o_16[None, None, None, :]
         b_k = tl.load(p_k, mask=live_pc[:, None, None, None], other=0.0)
-        b_k = tl.reshape(b_k, (BT, D)).to(QK_DTYPE)
+        b_k = tl.reshape(b_k, (BT, D)).to(tl.float16 if _QK16 else QK_DTYPE)
         if V5D:  # value_cache[b, h, t // 16, d, t % 16] as [D, NT, TB/16, 16]
             p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None, None] * stride_vc_3 \
                 + b[None, :, None, None] * stride_vc_b + (t0 // 16 + o_tb16)[None, None, :, None] * stride_vc_2 \
@@ -139,7 +155,7 @@ def pa_decode_partition_kernel(
                 + t_p[None, None, :] * stride_vc_3
             b_v = tl.load(p_v, mask=live_pc[None, :, None], other=0.0)
         b_vt = tl.reshape(b_v, (D, BT))  # V^T
-        b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
+        b_s = tl.dot(b_q, tl.trans(b_k)) * row_scale[:, None]
         if K_PER_TOKEN:
             ks_t = tl.load(p_ks + b[:, None] * stride_ks_b + i_h * stride_ks_h + t_p[None, :], mask=live_p, other=0.0)
             b_s = b_s * tl.reshape(ks_t, (BT,))[None, :]
@@ -151,7 +167,10 @@ def pa_decode_partition_kernel(
         b_p = tl.exp2(b_s - m_base[:, None])
         alpha = tl.exp2(b_m - m_base)
         b_l = b_l * alpha + tl.sum(b_p, 1)
-        b_vt = tl.where(live_t[None, :], b_vt.to(tl.float32), 0.0).to(PV_DTYPE)  # NaN bytes past the context
+        if _VSQ:
+            b_vt = tl.maximum(b_vt.to(PV_DTYPE), tl.full([1, 1], -448.0, PV_DTYPE))
+        else:
+            b_vt = tl.where(live_t[None, :], b_vt.to(tl.float32), 0.0).to(PV_DTYPE)  # NaN bytes past the context
         if V_PER_TOKEN:
             vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :], mask=live_p, other=0.0)
             b_p = b_p * tl.reshape(vs_t, (BT,))[None, :]
