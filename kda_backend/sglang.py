@@ -17,19 +17,48 @@ stays a live (scratch) slot, -1 rows are padding (zero output, caches untouched)
 come from the pool's tensors. The implementation is the registry's choice (``backend="auto"``:
 FlyDSL on gfx950/gfx942, Triton on NVIDIA, the reference on CPU; ``FLYDSL_BACKENDS_KDA`` forces
 one).
+
+Kimi-K3 fused decode (``register_hooks`` also installs these). K3's decode can bypass the
+dispatcher: SGLang's ``KDAAttnBackend.forward_decode`` first tries a model-specific fused step
+(f_b GEMM + conv + KDA + gated o_norm in one kernel). With ``flydsl`` selected our op takes that
+step, SGLang's kernel serves only what our op does not cover:
+
+* **ROCm gfx95x** (``SGLANG_ROCM_K3_KDA_FUSED_BACKEND`` unset or ``gfx950``, SGLang's default):
+  AROUND hooks on ``sglang.kernels.ops.attention.kda_fused_decode_gfx950.{available, warmup,
+  covered, run}``. ``available`` says yes on gfx95x, so ``KimiK3DeltaAttention._prepare_fused_decode``
+  stashes the static weights and the model defers ``f_b`` (hands ``f_a``); ``covered`` is our
+  op's verdict (memoized per shapes/dtypes/strides); ``run`` calls
+  :func:`kda_backend.kda_decode_with_f_b` (``backend="auto"``: FlyDSL, else Triton;
+  ``FLYDSL_BACKENDS_KDA`` forces one). A call our op does not cover goes to SGLang's original
+  ``covered``/``run`` (logged once); if SGLang's own ``warmup`` failed, such calls are reported
+  not covered and take the unfused chain (SGLang's conv, our dispatcher kernel, the model's
+  o_norm). SGLang's branch only runs where ``is_gfx95_supported()``, so on gfx942 ``available``
+  is left to SGLang (False): K3 decode there is the unfused chain with our dispatcher kernel.
+* ``SGLANG_ROCM_K3_KDA_FUSED_BACKEND=aiter`` (SGLang's AITER/FlyDSL kernel) is an explicit opt-in
+  and is left alone (that module is not hooked); any other value (e.g. ``off``) disables SGLang's
+  fused path, and K3 decode is the unfused chain with our dispatcher kernel.
+* **NVIDIA**: an AROUND hook on ``sglang.kernels.ops.attention.kda_fused_decode.kda_fused_decode``
+  (reached after SGLang's own ``covered``, which stays as is): with ``flydsl`` selected and shapes
+  our op covers it runs :func:`kda_backend.kda_decode` with conv + gated norm fused (the gate
+  ``a`` is already projected there; conv weights are re-assembled once from SGLang's transposed
+  per-segment copies and cached by address). Otherwise SGLang's CUDA kernel runs (logged once).
+* Without ``flydsl`` selected every hook calls the original unchanged.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import threading
 from typing import Optional
 
 import torch
 
-from .api import kda_decode
+from .api import kda_decode, kda_decode_with_f_b
 
-__all__ = ["make_decode_kernel", "dispatcher_init_around", "user_selected_flydsl", "register_hooks", "FLAG_VALUE"]
+__all__ = ["make_decode_kernel", "dispatcher_init_around", "user_selected_flydsl", "register_hooks", "FLAG_VALUE",
+           "k3_available_around", "k3_warmup_around", "k3_covered_around", "k3_run_around",
+           "k3_cuda_fused_decode_around"]
 
 log = logging.getLogger("flydsl_backends.sglang")
 FLAG_VALUE = "flydsl"
@@ -123,10 +152,183 @@ def dispatcher_init_around(original, self, decode_backend, prefill_backend, veri
     return None
 
 
+# --- Kimi-K3 fused decode -----------------------------------------------------------------------------
+
+_tls = threading.local()  # .fallback: inside SGLang's original (its own available() must answer for itself)
+_k3_logged = set()
+_k3_cover_cache = {}
+_k3_state = {"fallback_broken": False}
+_cuda_conv_weight_cache = {}
+
+
+def _log_once(key: str, level: int, msg: str, *args) -> None:
+    if key not in _k3_logged:
+        _k3_logged.add(key)
+        log.log(level, msg, *args)
+
+
+def _k3_platform_ok(device=None) -> bool:
+    """Whether SGLang's HIP fused branch can reach our op here: it runs only where SGLang's
+    ``is_gfx95_supported()`` holds (``KDAAttnBackend.forward_decode`` checks it per call)."""
+    from sglang.srt.utils.common import is_gfx95_supported
+
+    return bool(torch.cuda.is_available() and is_gfx95_supported())
+
+
+def _k3_serves(device=None) -> bool:
+    return not getattr(_tls, "fallback", False) and user_selected_flydsl() and _k3_platform_ok(device)
+
+
+def _sig(*tensors) -> tuple:
+    return tuple(None if t is None else (tuple(t.shape), t.dtype, tuple(t.stride()), t.device) for t in tensors)
+
+
+def _ours_covers(key, build) -> bool:
+    """Memoized: does ``kda_backend`` (``backend="auto"``) accept this call? ``build()`` returns the
+    ``prepare`` keyword arguments (placeholders where the caller lacks the static weights)."""
+    hit = _k3_cover_cache.get(key)
+    if hit is None:
+        from .api import REGISTRY
+        from .contract import prepare
+
+        try:
+            p = prepare(**build())
+            REGISTRY.select(p, "auto", device_type=p.device.type)
+            hit = (True, "")
+        except (ValueError, TypeError) as exc:
+            hit = (False, str(exc))
+        _k3_cover_cache[key] = hit
+    return hit[0], hit[1]
+
+
+def _k3_covers(f_a, f_b_weight, mixed_qkv, raw_beta, conv_state, state, state_indices, output_gate, norm_weight):
+    def build():
+        dev = mixed_qkv.device
+        H, K = int(state.shape[1]), int(state.shape[3])
+        W = int(conv_state.shape[-1]) + 1 if conv_state.dim() == 3 else 2
+        return dict(x=mixed_qkv, conv_weight=torch.zeros(int(mixed_qkv.shape[-1]), W, dtype=torch.float32, device=dev),
+                    conv_state=conv_state, a=None, b=raw_beta, A_log=torch.zeros(H, dtype=torch.float32, device=dev),
+                    dt_bias=torch.zeros(H * K, dtype=torch.float32, device=dev), state=state,
+                    state_indices=state_indices, output_gate=output_gate, norm_weight=norm_weight, lower_bound=-5.0,
+                    f_a=f_a, f_b_weight=f_b_weight, with_f_b=True)
+
+    return _ours_covers(("k3_hip",) + _sig(f_a, f_b_weight, mixed_qkv, raw_beta, conv_state, state, state_indices,
+                                          output_gate, norm_weight), build)
+
+
+def _in_fallback(fn, *args, **kwargs):
+    prev = getattr(_tls, "fallback", False)
+    _tls.fallback = True
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _tls.fallback = prev
+
+
+def k3_available_around(original, device=None):
+    """AROUND ``kda_fused_decode_gfx950.available``: yes on gfx95x when flydsl is selected."""
+    if _k3_serves(device):
+        return True
+    return original(device)
+
+
+def k3_warmup_around(original, **kwargs):
+    """AROUND ``kda_fused_decode_gfx950.warmup``: SGLang's warmup still runs (its kernel serves the
+    shapes ours does not); with flydsl selected a failure there is logged, not raised, and turns
+    that fallback off (uncovered calls then take the unfused chain)."""
+    if not _k3_serves(kwargs.get("f_b_weight").device if kwargs.get("f_b_weight") is not None else None):
+        return original(**kwargs)
+    try:
+        _in_fallback(original, **kwargs)
+    except Exception as exc:  # e.g. the HIP extension does not build: ours serves, the rest is unfused
+        _k3_state["fallback_broken"] = True
+        _log_once("k3_warmup", logging.WARNING, "Kimi-K3 fused decode: SGLang's gfx950 kernel is unavailable (%s: %s); "
+                  "shapes flydsl-backends does not cover take the unfused decode chain", type(exc).__name__, exc)
+    log.info("Kimi-K3 fused KDA decode: flydsl-backends kda_decode_with_f_b (SGLang's kernel for uncovered shapes)")
+    return None
+
+
+def k3_covered_around(original, f_a, f_b_weight, mixed_qkv, raw_beta, conv_state, state, state_indices, output_gate,
+                      norm_weight):
+    """AROUND ``kda_fused_decode_gfx950.covered``: our op's verdict first, SGLang's for the rest."""
+    args = (f_a, f_b_weight, mixed_qkv, raw_beta, conv_state, state, state_indices, output_gate, norm_weight)
+    if _k3_serves(f_a.device):
+        ok, why = _k3_covers(*args)
+        if ok:
+            return True
+        _log_once("k3_fallback", logging.INFO, "Kimi-K3 fused decode: flydsl-backends does not cover this call (%s); "
+                  "falling back to SGLang's kernel", why)
+        if _k3_state["fallback_broken"]:
+            return False
+    return _in_fallback(original, *args)
+
+
+def k3_run_around(original, *, f_a, f_b_weight, mixed_qkv, conv_weight, conv_state, raw_beta, A_log, dt_bias,
+                  lower_bound, state, state_indices, output_gate, norm_weight, norm_eps, out=None):
+    """AROUND ``kda_fused_decode_gfx950.run``: ``kda_decode_with_f_b`` for covered calls; returns
+    [1, B, H, V] after the gated norm, like SGLang's."""
+    kw = dict(f_a=f_a, f_b_weight=f_b_weight, mixed_qkv=mixed_qkv, conv_weight=conv_weight, conv_state=conv_state,
+              raw_beta=raw_beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound, state=state,
+              state_indices=state_indices, output_gate=output_gate, norm_weight=norm_weight, norm_eps=norm_eps, out=out)
+    if not (_k3_serves(f_a.device) and _k3_covers(f_a, f_b_weight, mixed_qkv, raw_beta, conv_state, state,
+                                                  state_indices, output_gate, norm_weight)[0]):
+        return _in_fallback(original, **kw)
+    B, H, V = int(mixed_qkv.shape[0]), int(state.shape[1]), int(state.shape[2])
+    if out is None:
+        out = mixed_qkv.new_empty((1, B, H, V))
+    kda_decode_with_f_b(f_a, f_b_weight, mixed_qkv, conv_weight, conv_state, raw_beta, A_log.reshape(-1), dt_bias,
+                        state, state_indices, output_gate, norm_weight, lower_bound=float(lower_bound),
+                        norm_eps=float(norm_eps), out=out.view(B, H, V))
+    return out
+
+
+def _cuda_conv_weight(w_q_t, w_k_t, w_v_t):
+    """[C, W] fp32 from SGLang's per-segment transposed copies ([W, seg] each), built once per
+    weight set (static after load; keyed by address)."""
+    key = (w_q_t.data_ptr(), w_k_t.data_ptr(), w_v_t.data_ptr(), w_q_t.device)
+    w = _cuda_conv_weight_cache.get(key)
+    if w is None:
+        w = torch.cat([w_q_t, w_k_t, w_v_t], dim=1).t().contiguous().float()
+        _cuda_conv_weight_cache[key] = w
+    return w
+
+
+def k3_cuda_fused_decode_around(original, mixed_qkv, a, b, conv_states, w_q_t, w_k_t, w_v_t, conv_bias, A_log,
+                                dt_bias, onorm_g, onorm_weight, ssm_states, cache_indices, scale, onorm_eps,
+                                lower_bound=None):
+    """AROUND ``kda_fused_decode.kda_fused_decode`` (NVIDIA K3 fused step, after SGLang's
+    ``covered``): ``kda_decode`` with conv + gated norm when flydsl is selected and covers it."""
+    args = (mixed_qkv, a, b, conv_states, w_q_t, w_k_t, w_v_t, conv_bias, A_log, dt_bias, onorm_g, onorm_weight,
+            ssm_states, cache_indices)
+    if user_selected_flydsl():
+        B, H, V = int(mixed_qkv.shape[0]), int(ssm_states.shape[-3]), int(ssm_states.shape[-2])
+        conv_weight = _cuda_conv_weight(w_q_t, w_k_t, w_v_t)
+        gate = onorm_g.view(B, H, V)
+        kw = dict(x=mixed_qkv, conv_weight=conv_weight, conv_state=conv_states.transpose(-1, -2), a=a, b=b,
+                  A_log=A_log.reshape(-1), dt_bias=dt_bias, state=ssm_states, state_indices=cache_indices,
+                  output_gate=gate, norm_weight=onorm_weight, conv_bias=conv_bias, lower_bound=lower_bound,
+                  norm_eps=float(onorm_eps), scale=float(scale))
+        ok, why = _ours_covers(("k3_cuda", lower_bound is None) + _sig(*args), lambda: kw)
+        if ok:
+            _log_once("k3_cuda", logging.INFO, "Kimi-K3 fused KDA decode (CUDA path): flydsl-backends kda_decode "
+                      "(SGLang's 'K3 fused KDA decode engaged' notice refers to the step, not its kernel)")
+            out = kda_decode(**kw)  # the keys are kda_decode's parameter names
+            return out.view(1, B, H, V)
+        _log_once("k3_cuda_fallback", logging.INFO, "Kimi-K3 fused decode (CUDA path): flydsl-backends does not cover "
+                  "this call (%s); SGLang's kernel runs", why)
+    return original(*args, scale=scale, onorm_eps=onorm_eps, lower_bound=lower_bound)
+
+
 KDA_DISPATCHER_INIT = "sglang.srt.layers.attention.linear.kda_backend.KDAKernelDispatcher.__init__"
+K3_GFX950_OPS = "sglang.kernels.ops.attention.kda_fused_decode_gfx950"
+K3_CUDA_OPS = "sglang.kernels.ops.attention.kda_fused_decode"
 
 
 def register_hooks(hook_registry, hook_type) -> None:
     """Register this adapter's SGLang hooks (called once by ``flydsl_backends.plugins.register_sglang``;
     SGLang applies them after the plugin returns)."""
     hook_registry.register(KDA_DISPATCHER_INIT, dispatcher_init_around, hook_type.AROUND)
+    for name, hook in (("available", k3_available_around), ("warmup", k3_warmup_around),
+                       ("covered", k3_covered_around), ("run", k3_run_around)):
+        hook_registry.register(f"{K3_GFX950_OPS}.{name}", hook, hook_type.AROUND)
+    hook_registry.register(f"{K3_CUDA_OPS}.kda_fused_decode", k3_cuda_fused_decode_around, hook_type.AROUND)
