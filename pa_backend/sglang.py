@@ -485,34 +485,35 @@ def _build_backend_class():
             return (self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                     self.token_to_kv_pool.get_value_buffer(layer.layer_id))
 
-        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        def _prologue(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs):
+            """Shared by decode and extend: layer arguments, the K/V write, caches, [T, Hq, D] query
+            view and a fresh output."""
             sliding_window, sinks, ks, vs = self._layer_args(layer, kwargs)
             self._save_kv(layer, forward_batch, k, v, save_kv_cache)
             kc, vc = self._caches(layer)
             H, D = layer.tp_q_head_num, layer.qk_head_dim
             q3 = q.reshape(-1, H, D)
             o = torch.empty((q3.shape[0], H, layer.v_head_dim), dtype=q3.dtype, device=q3.device)
-            md = self.forward_metadata
+            return sliding_window, sinks, ks, vs, kc, vc, q3, o, self.forward_metadata
+
+        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+            sliding_window, sinks, ks, vs, kc, vc, q3, o, md = self._prologue(q, k, v, layer, forward_batch,
+                                                                              save_kv_cache, kwargs)
             pa_decode(q3, kc, vc, md.block_tables, md.context_lens, ks, vs, query_length=1,
                       softmax_scale=layer.scaling, sliding_window=sliding_window, sinks=sinks, out=o,
                       backend=self.pa_impl)
-            return o.view(-1, H * layer.v_head_dim)
+            return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
             self._reject_spec(forward_batch.forward_mode)
-            sliding_window, sinks, ks, vs = self._layer_args(layer, kwargs)
-            self._save_kv(layer, forward_batch, k, v, save_kv_cache)
-            kc, vc = self._caches(layer)
-            H, D = layer.tp_q_head_num, layer.qk_head_dim
-            q3 = q.reshape(-1, H, D)
-            o = torch.empty((q3.shape[0], H, layer.v_head_dim), dtype=q3.dtype, device=q3.device)
-            md = self.forward_metadata
+            sliding_window, sinks, ks, vs, kc, vc, q3, o, md = self._prologue(q, k, v, layer, forward_batch,
+                                                                              save_kv_cache, kwargs)
             if md.query_start_loc is None:  # a decode-shaped metadata relabelled as a 1-token extend
                 raise RuntimeError("flydsl attention backend: extend forward without extend metadata")
             pa_prefill(q3, kc, vc, md.block_tables, md.query_start_loc, md.context_lens, ks, vs,
                        softmax_scale=layer.scaling, sliding_window=sliding_window, sinks=sinks, out=o,
                        backend=self.pa_impl)
-            return o.view(-1, H * layer.v_head_dim)
+            return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     FlyDSLAttnBackend.__module__ = __name__
     FlyDSLAttnBackend.__qualname__ = "FlyDSLAttnBackend"
