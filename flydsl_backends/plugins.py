@@ -36,9 +36,21 @@ def _once(name: str) -> bool:
         return True
 
 
+def _check_linear_attn_flags(cfg) -> None:
+    """flydsl is a decode-only KDA kernel backend: prefill and verify stay on SGLang's kernels."""
+    for flag, value in (("--linear-attn-backend", getattr(cfg, "linear_attn_backend", None)),
+                        ("--linear-attn-prefill-backend", getattr(cfg, "linear_attn_prefill_backend", None)),
+                        ("--linear-attn-verify-backend", getattr(cfg, "linear_attn_verify_backend", None))):
+        if value == FLYDSL:
+            raise ValueError(
+                f"{flag} flydsl: the flydsl KDA backend serves decode only (prefill and speculative verify stay on "
+                "SGLang's kernels); use --linear-attn-decode-backend flydsl and leave the others unset")
+
+
 def check_sglang_args(cfg, is_mla: bool) -> None:
     """Reject flag combinations the flydsl backends cannot serve (``cfg``: resolved server args).
     Raises ValueError naming the flag, what was given and a combination that works."""
+    _check_linear_attn_flags(cfg)
     prefill = cfg.prefill_attention_backend or cfg.attention_backend
     decode = cfg.decode_attention_backend or cfg.attention_backend
     if FLYDSL not in (prefill, decode):
@@ -58,6 +70,12 @@ def check_sglang_args(cfg, is_mla: bool) -> None:
     if page not in PAGE_SIZES:
         raise ValueError(f"--attention-backend flydsl supports --page-size 16, 64 or 128 (got {page}); "
                          "e.g. --page-size 16")
+    spec = getattr(cfg, "speculative_algorithm", None)
+    if spec not in (None, "", "NONE", "none"):
+        raise ValueError(
+            f"--speculative-algorithm {spec} with --attention-backend flydsl: the plugin has no EAGLE/MTP multi-step "
+            "draft backend yet, so speculative decoding cannot run on flydsl attention; serve without "
+            "--speculative-algorithm, or use --attention-backend triton (or aiter) for speculative serving")
 
 
 def _resolution_check(server_args, previous) -> None:
@@ -67,8 +85,8 @@ def _resolution_check(server_args, previous) -> None:
     cfg = resolved_view(server_args)
     prefill = cfg.prefill_attention_backend or cfg.attention_backend
     decode = cfg.decode_attention_backend or cfg.attention_backend
-    if FLYDSL in (prefill, decode):
-        check_sglang_args(cfg, use_mla_backend(server_args))
+    uses_flydsl_attn = FLYDSL in (prefill, decode)
+    check_sglang_args(cfg, use_mla_backend(server_args) if uses_flydsl_attn else False)
 
 
 def _create_attn_backend(runner):

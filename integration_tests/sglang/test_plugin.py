@@ -1,0 +1,128 @@
+"""Plugin discovery through the *installed* entry point, in fresh processes, as
+``python -m sglang.launch_server`` would do it: the server's argument parser accepts the flydsl
+flags and server-arg resolution accepts working combinations and rejects the others with a message
+naming a working combination. The YAML launch configs in ``configs/sglang/`` go through the same path
+(their model swapped for a tiny local config of the same family).
+
+Models are tiny local ``config.json`` files (no weights are needed to resolve arguments): a Llama
+(GQA 4/2, head_dim 64) and a Kimi-Linear (MLA full attention + KDA layers). ``--device cpu`` because
+this machine has no GPU; ``--disable-radix-cache`` on Kimi-Linear because SGLang's CPU platform has
+no Mamba-state snapshots for its default radix strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+PROBE = HERE / "resolve_probe.py"
+
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+         "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+         "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+         "torch_dtype": "bfloat16", "rope_theta": 10000.0}
+KIMI_LINEAR = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear", "hidden_size": 256,
+               "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 64,
+               "num_hidden_layers": 2, "vocab_size": 1024, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+               "torch_dtype": "bfloat16", "q_lora_rank": None, "kv_lora_rank": 64, "qk_nope_head_dim": 32,
+               "qk_rope_head_dim": 32, "v_head_dim": 64, "mla_use_nope": True, "num_experts": 4,
+               "num_experts_per_token": 2, "moe_intermediate_size": 128,
+               "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "head_dim": 32, "num_heads": 4,
+                                      "short_conv_kernel_size": 4}}
+COMMON = ["--device", "cpu", "--skip-tokenizer-init"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for name, cfg in (("llama", LLAMA), ("kimi", KIMI_LINEAR)):
+        (root / name).mkdir()
+        (root / name / "config.json").write_text(json.dumps(cfg))
+        out[name] = str(root / name)
+    return out
+
+
+def _probe(cases, env_extra=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    env.update(env_extra or {})
+    proc = subprocess.run([sys.executable, str(PROBE), json.dumps(cases)], capture_output=True, text=True,
+                          env=env, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_entry_point_is_installed():
+    eps = [ep for ep in metadata.entry_points(group="sglang.srt.plugins") if ep.name == "flydsl"]
+    assert [ep.value for ep in eps] == ["flydsl_backends.plugins:register_sglang"], \
+        "flydsl-backends is not installed in this environment (pip install -e .[sglang])"
+
+
+def _cases(m):
+    llama, kimi = m["llama"], m["kimi"]
+    fp8 = ["--kv-cache-dtype", "fp8_e4m3"]
+    return {
+        "gqa_page16": (["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--page-size", "16"], None),
+        "gqa_page64_split": (["--model-path", llama, "--decode-attention-backend", "flydsl",
+                              "--prefill-attention-backend", "flydsl", *fp8, "--page-size", "64"], None),
+        "gqa_page128": (["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--page-size", "128"], None),
+        "gqa_bf16_kv": (["--model-path", llama, "--attention-backend", "flydsl", "--page-size", "16"],
+                        "--kv-cache-dtype fp8_e4m3"),
+        "gqa_page32": (["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--page-size", "32"],
+                       "--page-size 16"),
+        "kimi_flydsl_attention": (["--model-path", kimi, "--attention-backend", "flydsl", *fp8, "--page-size", "16",
+                                   "--disable-radix-cache"], "--linear-attn-decode-backend flydsl"),
+        "kimi_mla_plus_flydsl_kda": (["--model-path", kimi, "--attention-backend", "triton",
+                                      "--linear-attn-decode-backend", "flydsl", "--disable-radix-cache"], None),
+        "kimi_linear_attn_backend": (["--model-path", kimi, "--attention-backend", "triton",
+                                      "--linear-attn-backend", "flydsl", "--disable-radix-cache"],
+                                     "--linear-attn-decode-backend flydsl"),
+        "k3_config": (["--config", str(ROOT / "configs/sglang/kimi-k3-tp8-mi355x.yaml"), "--model-path", kimi,
+                       "--tp-size", "1", "--attention-backend", "triton", "--disable-radix-cache"], None),
+        "gqa_config": (["--config", str(ROOT / "configs/sglang/llama-3.1-8b-fp8kv.yaml"), "--model-path", llama],
+                       None),
+    }
+
+
+def test_flags_parse_and_resolve_through_installed_plugin(models):
+    cases = _cases(models)
+    out = _probe([argv + COMMON for argv, _ in cases.values()])
+    assert out["heavy_modules"] == [], f"resolving arguments imported kernel modules: {out['heavy_modules']}"
+    by_name = dict(zip(cases, out["results"]))
+    for name, (argv, expect_error) in cases.items():
+        r = by_name[name]
+        if expect_error is None:
+            assert r["ok"], f"{name}: {r['error']}"
+        else:
+            assert not r["ok"], f"{name} resolved but should have been rejected"
+            assert expect_error in r["error"], f"{name}: message does not name {expect_error!r}: {r['error']}"
+    a = by_name["gqa_page16"]["args"]
+    assert (a["attention_backend"], a["kv_cache_dtype"], a["page_size"]) == ("flydsl", "fp8_e4m3", 16)
+    a = by_name["gqa_page64_split"]["args"]
+    assert (a["decode_attention_backend"], a["prefill_attention_backend"], a["page_size"]) == ("flydsl", "flydsl", 64)
+    assert by_name["kimi_mla_plus_flydsl_kda"]["args"]["linear_attn_decode_backend"] == "flydsl"
+    assert "MLA" in by_name["kimi_flydsl_attention"]["error"]
+    # the launch configs' own flags survive the merge (the CLI overrides only what the test swaps)
+    assert by_name["k3_config"]["args"]["linear_attn_decode_backend"] == "flydsl"
+    a = by_name["gqa_config"]["args"]
+    assert (a["attention_backend"], a["kv_cache_dtype"], a["page_size"]) == ("flydsl", "fp8_e4m3", 16)
+
+
+def test_without_the_plugin_sglang_rejects_flydsl(models):
+    """The control: with the plugin filtered out (SGLANG_PLUGINS names another plugin), SGLang's own
+    parser refuses ``flydsl`` — so the acceptance above is the plugin's doing."""
+    argv = ["--model-path", models["llama"], "--attention-backend", "flydsl", "--kv-cache-dtype", "fp8_e4m3",
+            "--page-size", "16", *COMMON]
+    out = _probe([argv], env_extra={"SGLANG_PLUGINS": "not-flydsl"})
+    assert out["results"][0] == {"ok": False, "error": "SystemExit(2)", "args": {}}
