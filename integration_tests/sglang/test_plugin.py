@@ -89,7 +89,7 @@ def _cases(m):
                                       "--linear-attn-backend", "flydsl", "--disable-radix-cache"],
                                      "--linear-attn-decode-backend flydsl"),
         "k3_config": (["--config", str(ROOT / "configs/sglang/kimi-k3-tp8-mi355x.yaml"), "--model-path", kimi,
-                       "--tp-size", "1", "--attention-backend", "triton", "--disable-radix-cache"], None),
+                       "--disable-radix-cache"], None),
         "gqa_config": (["--config", str(ROOT / "configs/sglang/llama-3.1-8b-fp8kv.yaml"), "--model-path", llama],
                        None),
     }
@@ -114,7 +114,8 @@ def test_flags_parse_and_resolve_through_installed_plugin(models):
     assert by_name["kimi_mla_plus_flydsl_kda"]["args"]["linear_attn_decode_backend"] == "flydsl"
     assert "MLA" in by_name["kimi_flydsl_attention"]["error"]
     # the launch configs' own flags survive the merge (the CLI overrides only what the test swaps)
-    assert by_name["k3_config"]["args"]["linear_attn_decode_backend"] == "flydsl"
+    a = by_name["k3_config"]["args"]
+    assert (a["attention_backend"], a["linear_attn_decode_backend"], a["tp_size"]) == ("aiter", "flydsl", 8)
     a = by_name["gqa_config"]["args"]
     assert (a["attention_backend"], a["kv_cache_dtype"], a["page_size"]) == ("flydsl", "fp8_e4m3", 16)
 
