@@ -1,0 +1,53 @@
+"""The SGLang resolution-time check on plain records (no SGLang needed): what it accepts, what it
+rejects and that each message names the flag and a combination that works. The same check runs
+inside SGLang's resolution pipeline in integration_tests/sglang/test_plugin.py."""
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from flydsl_backends.plugins import check_sglang_args
+
+
+def _cfg(**over):
+    base = dict(attention_backend="flydsl", prefill_attention_backend=None, decode_attention_backend=None,
+                kv_cache_dtype="fp8_e4m3", page_size=16, speculative_algorithm=None, linear_attn_backend=None,
+                linear_attn_prefill_backend=None, linear_attn_verify_backend=None, linear_attn_decode_backend=None)
+    base.update(over)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("over", [{}, dict(page_size=64), dict(page_size=128),
+                                  dict(attention_backend="triton", decode_attention_backend="flydsl"),
+                                  dict(attention_backend="triton", kv_cache_dtype="auto", page_size=1),
+                                  dict(attention_backend="aiter", kv_cache_dtype="auto", page_size=None,
+                                       linear_attn_decode_backend="flydsl")])
+def test_accepts(over):
+    check_sglang_args(_cfg(**over), is_mla="aiter" in over.values())
+
+
+@pytest.mark.parametrize("over, is_mla, needle", [
+    ({}, True, "--linear-attn-decode-backend flydsl"),
+    (dict(kv_cache_dtype="auto"), False, "--kv-cache-dtype fp8_e4m3"),
+    (dict(kv_cache_dtype="fp8_e5m2"), False, "--kv-cache-dtype fp8_e4m3"),
+    (dict(page_size=1), False, "--page-size 16"),
+    (dict(page_size=32), False, "--page-size 16"),
+    (dict(speculative_algorithm="EAGLE"), False, "--attention-backend triton"),
+    (dict(prefill_attention_backend="flydsl", attention_backend="triton", page_size=8), False, "--page-size"),
+    (dict(attention_backend="triton", linear_attn_backend="flydsl"), False, "--linear-attn-decode-backend flydsl"),
+    (dict(attention_backend="triton", linear_attn_prefill_backend="flydsl"), False, "--linear-attn-prefill-backend"),
+    (dict(attention_backend="triton", linear_attn_verify_backend="flydsl"), False, "--linear-attn-verify-backend"),
+])
+def test_rejects_with_working_combination(over, is_mla, needle):
+    with pytest.raises(ValueError) as ei:
+        check_sglang_args(_cfg(**over), is_mla=is_mla)
+    assert needle in str(ei.value)
+
+
+def test_plugin_module_imports_only_the_standard_library():
+    code = ("import sys; import flydsl_backends.plugins; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'triton', 'flydsl', 'sglang', 'vllm')]; "
+            "assert not bad, bad[:5]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
