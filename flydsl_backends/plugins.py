@@ -47,13 +47,16 @@ def _check_linear_attn_flags(cfg) -> None:
                 "SGLang's kernels); use --linear-attn-decode-backend flydsl and leave the others unset")
 
 
+def _uses_flydsl_attention(cfg) -> bool:
+    return FLYDSL in (cfg.prefill_attention_backend or cfg.attention_backend,
+                      cfg.decode_attention_backend or cfg.attention_backend)
+
+
 def check_sglang_args(cfg, is_mla: bool) -> None:
     """Reject flag combinations the flydsl backends cannot serve (``cfg``: resolved server args).
     Raises ValueError naming the flag, what was given and a combination that works."""
     _check_linear_attn_flags(cfg)
-    prefill = cfg.prefill_attention_backend or cfg.attention_backend
-    decode = cfg.decode_attention_backend or cfg.attention_backend
-    if FLYDSL not in (prefill, decode):
+    if not _uses_flydsl_attention(cfg):
         return
     if is_mla:
         raise ValueError(
@@ -83,10 +86,8 @@ def _resolution_check(server_args, previous) -> None:
     from sglang.srt.arg_groups.model_override_base import resolved_view, use_mla_backend
 
     cfg = resolved_view(server_args)
-    prefill = cfg.prefill_attention_backend or cfg.attention_backend
-    decode = cfg.decode_attention_backend or cfg.attention_backend
-    uses_flydsl_attn = FLYDSL in (prefill, decode)
-    check_sglang_args(cfg, use_mla_backend(server_args) if uses_flydsl_attn else False)
+    # building the ModelConfig (use_mla_backend) only when flydsl attention needs the answer
+    check_sglang_args(cfg, use_mla_backend(server_args) if _uses_flydsl_attention(cfg) else False)
 
 
 def _create_attn_backend(runner):
