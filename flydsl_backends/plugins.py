@@ -73,12 +73,38 @@ def check_sglang_args(cfg, is_mla: bool) -> None:
     if page not in PAGE_SIZES:
         raise ValueError(f"--attention-backend flydsl supports --page-size 16, 64 or 128 (got {page}); "
                          "e.g. --page-size 16")
+    _check_speculative(cfg)
+
+
+SPEC_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN", "STANDALONE")  # draft chains verified by the target
+MAX_DRAFT_TOKENS = 4  # pa_decode's query_length limit
+_SPEC_WORKING = ("--speculative-algorithm EAGLE3 --speculative-eagle-topk 1 --speculative-num-steps 2 "
+                 "--speculative-num-draft-tokens 3 --speculative-draft-attention-backend triton")
+
+
+def _check_speculative(cfg) -> None:
+    """Speculative decoding on flydsl attention: the target's verify batches are draft *chains* of
+    2..4 tokens (pa_decode with query_length n); the draft model runs on another backend."""
     spec = getattr(cfg, "speculative_algorithm", None)
-    if spec not in (None, "", "NONE", "none"):
-        raise ValueError(
-            f"--speculative-algorithm {spec} with --attention-backend flydsl: the plugin has no EAGLE/MTP multi-step "
-            "draft backend yet, so speculative decoding cannot run on flydsl attention; serve without "
-            "--speculative-algorithm, or use --attention-backend triton (or aiter) for speculative serving")
+    if spec in (None, "", "NONE", "none"):
+        return
+    if str(spec).upper() not in SPEC_ALGORITHMS:
+        raise ValueError(f"--speculative-algorithm {spec} with --attention-backend flydsl: only "
+                         f"{'/'.join(SPEC_ALGORITHMS)} (draft chains) are verified on flydsl; e.g. {_SPEC_WORKING}")
+    topk = getattr(cfg, "speculative_eagle_topk", None)
+    if topk != 1:
+        raise ValueError(f"--speculative-eagle-topk {topk} with --attention-backend flydsl: the target verifies draft "
+                         f"chains only (a tree needs a custom mask); use --speculative-eagle-topk 1, e.g. "
+                         f"{_SPEC_WORKING}")
+    n = getattr(cfg, "speculative_num_draft_tokens", None)
+    if not isinstance(n, int) or not 2 <= n <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"--speculative-num-draft-tokens {n} with --attention-backend flydsl: verify runs 2.."
+                         f"{MAX_DRAFT_TOKENS} tokens per request (--speculative-num-steps 1..3); e.g. {_SPEC_WORKING}")
+    draft = getattr(cfg, "speculative_draft_attention_backend", None)
+    if not draft or draft == FLYDSL:
+        raise ValueError(f"--speculative-draft-attention-backend {draft}: the draft model's multi-step passes do not "
+                         "run on flydsl (SGLang builds them from its own backend map); name the draft's backend, "
+                         f"e.g. {_SPEC_WORKING}")
 
 
 def _resolution_check(server_args, previous) -> None:

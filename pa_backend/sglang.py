@@ -14,10 +14,11 @@ SGLang module; they are created on first attribute access):
   ``write_kv`` (which divides by the per-tensor scale itself and does *not* mutate the caller's
   K/V, unlike the in-tree pool), slot moves and CPU copies are page/offset aware.
 * ``FlyDSLAttnBackend(model_runner, pa_impl=None)`` — the ``AttentionBackend``.
-* ``install_kv_pool_hook()`` (alias ``register_hooks``) — idempotent; wraps
-  ``sglang.srt.platforms.interface.SRTPlatform.get_kv_pool_cls`` so that ``kind="mha"`` returns
-  ``FlyDSLMHATokenToKVPool`` when the process's configured prefill or decode attention backend is
-  ``flydsl`` and the platform itself asks for no pool class.
+* ``install_kv_pool_hook()`` (alias ``register_hooks``) — idempotent; wraps SGLang's
+  ``KVCacheConfigurator._resolve_kv_pool_class`` so that ``kind="mha"`` resolves to
+  ``FlyDSLMHATokenToKVPool`` for the target model when the process's configured prefill or decode
+  attention backend is ``flydsl`` and the platform itself asks for no pool class (a speculative
+  draft worker keeps SGLang's pool).
 """
 
 from __future__ import annotations
@@ -72,6 +73,21 @@ def _check_head_dims(head_dim, v_head_dim) -> None:
     if v_head_dim is not None and v_head_dim != head_dim:
         raise ValueError(f"--attention-backend flydsl needs v_head_dim == head_dim (got {v_head_dim} vs {head_dim}); "
                          f"MLA / asymmetric heads are not served ({_WORKING})")
+
+
+def _check_spec_runner(spec) -> None:
+    """A runner with speculative decoding: the verify batches must be chains (topk 1)."""
+    topk = None
+    try:
+        from sglang.srt.runtime_context import get_spec
+
+        topk = get_spec().speculative_eagle_topk
+    except Exception:  # no published server args (tests, tools): checked per batch instead
+        pass
+    if topk not in (None, 1):
+        raise ValueError(f"--speculative-eagle-topk {topk}: the flydsl attention backend verifies draft chains only "
+                         f"(a tree needs a custom mask); use --speculative-eagle-topk 1 with "
+                         f"--speculative-num-draft-tokens 2..{_contract.MAX_QUERY_LENGTH}")
 
 
 def flydsl_backend_selected() -> bool:
@@ -232,35 +248,37 @@ def _build_pool_class():
 
 
 def install_kv_pool_hook() -> bool:
-    """Make SGLang build :class:`FlyDSLMHATokenToKVPool` for MHA pools when flydsl is the configured
-    attention backend (idempotent; returns True when it installed the wrapper, False when it was
-    already in place).
+    """Make SGLang build :class:`FlyDSLMHATokenToKVPool` for the target model's MHA pools when flydsl
+    is the configured attention backend (idempotent; returns True when it installed the wrapper,
+    False when it was already in place).
 
-    Wraps ``SRTPlatform.get_kv_pool_cls`` (the only definition in sglang 0.5.23; the configurator
-    calls it at every MHA pool build site, the hybrid-linear full-attention leaf and the SWA
-    composite included). A platform class that overrides ``get_kv_pool_cls`` itself is not covered,
-    and when the platform returns its own class that class is kept (and the backend's
-    construction check then names the problem).
+    Wraps ``KVCacheConfigurator._resolve_kv_pool_class`` (sglang 0.5.23: the one place that asks
+    the platform, ``SRTPlatform.get_kv_pool_cls``, for a pool class; every MHA pool build site, the
+    hybrid-linear full-attention leaf and the SWA composite included, uses its answer). The
+    configurator knows whether it builds a speculative draft worker's pool: a draft runs on its own
+    ``--speculative-draft-attention-backend`` and keeps SGLang's pool. When the platform names its
+    own class, that class is kept (and the backend's construction check then names the problem).
     """
-    from sglang.srt.platforms import interface
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
 
     with _lock:
-        cls = interface.SRTPlatform
-        current = cls.__dict__.get("get_kv_pool_cls")
+        cls = KVCacheConfigurator
+        current = cls.__dict__.get("_resolve_kv_pool_class")
         if getattr(current, "_flydsl_wrapped", False):
             return False
         original = current
 
-        def get_kv_pool_cls(self, *, kind):
-            pool_cls = original(self, kind=kind)
-            if kind == "mha" and pool_cls is None and flydsl_backend_selected():
+        def _resolve_kv_pool_class(self, *, kind, default):
+            pool_cls = original(self, kind=kind, default=default)
+            if (kind == "mha" and pool_cls is default and not getattr(self, "is_draft_worker", False)
+                    and flydsl_backend_selected()):
                 return _get_class("FlyDSLMHATokenToKVPool")
             return pool_cls
 
-        get_kv_pool_cls._flydsl_wrapped = True
-        get_kv_pool_cls.__wrapped__ = original
-        get_kv_pool_cls.__doc__ = original.__doc__
-        cls.get_kv_pool_cls = get_kv_pool_cls
+        _resolve_kv_pool_class._flydsl_wrapped = True
+        _resolve_kv_pool_class.__wrapped__ = original
+        _resolve_kv_pool_class.__doc__ = original.__doc__
+        cls._resolve_kv_pool_class = _resolve_kv_pool_class
         return True
 
 
@@ -275,7 +293,8 @@ register_hooks = install_kv_pool_hook
 class FlyDSLForwardMetadata:
     block_tables: torch.Tensor  # [bs, max_blocks] int32 page ids
     context_lens: torch.Tensor  # [bs] int32, new tokens included
-    query_start_loc: Optional[torch.Tensor]  # [bs + 1] int32 for extend / mixed; None for decode
+    query_start_loc: Optional[torch.Tensor]  # [bs + 1] int32 for extend / mixed; None for decode / verify
+    query_length: int = 1  # rows per request on the pa_decode path (target verify: the draft tokens, 2..4)
 
 
 def _kv_pool_leaf(pool):
@@ -296,7 +315,11 @@ def _build_backend_class():
         Decode (query length 1) → ``pa_decode``; extend / mixed → ``pa_prefill``; K/V written at
         ``out_cache_loc`` through the pool (``write_kv``). Decode CUDA graphs: static block table
         and context-length buffers, filled in place by ``init_forward_metadata_out_graph``.
-        Speculative decoding (target verify / draft extend) is rejected.
+        Speculative decoding (EAGLE / EAGLE3 / NEXTN / STANDALONE with ``--speculative-eagle-topk 1``):
+        TARGET_VERIFY batches (``seq_lens`` without the draft tokens; their slots already in
+        ``req_to_token``) run ``pa_decode`` with ``query_length`` = draft tokens (2..4) and context
+        ``seq_lens + n``, eager and in CUDA graphs. Draft-model passes run on the draft worker's own
+        backend (``--speculative-draft-attention-backend``) over SGLang's own pool.
         """
 
         def __init__(self, model_runner, pa_impl: Optional[str] = None):
@@ -327,6 +350,7 @@ def _build_backend_class():
             self.cuda_graph_block_tables = None
             self.cuda_graph_context_lens = None
             self.cuda_graph_max_bs = 0
+            self.cuda_graph_query_length = 1
 
         # -- construction checks -----------------------------------------------------------
         def _validate(self, runner):
@@ -344,10 +368,8 @@ def _build_backend_class():
                 raise ValueError(f"--dtype: the flydsl attention backend computes in bfloat16 or float16, got "
                                  f"{self.data_type}; use --dtype bfloat16 ({_WORKING})")
             spec = getattr(runner, "spec_algorithm", None)
-            if spec is not None and not (spec.is_none() if hasattr(spec, "is_none") else False):
-                raise ValueError("--speculative-algorithm: speculative decoding (target verify / draft extend) is "
-                                 "not supported by --attention-backend flydsl yet; run without it, or use "
-                                 "--decode-attention-backend flydsl only for non-speculative serving")
+            if spec is not None and hasattr(spec, "is_none") and not spec.is_none():
+                _check_spec_runner(spec)
             from sglang.srt.mem_cache.base_swa_memory_pool import BaseSWAKVPool
 
             if isinstance(self.token_to_kv_pool, BaseSWAKVPool):
@@ -396,9 +418,28 @@ def _build_backend_class():
 
         @staticmethod
         def _reject_spec(mode):
-            if mode.is_target_verify() or mode.is_draft_extend_v2() or getattr(mode, "name", "").startswith("DRAFT"):
-                raise NotImplementedError(f"flydsl attention backend: forward mode {mode.name} (speculative decoding) "
-                                          "is not supported")
+            if mode.is_target_verify():
+                return
+            if mode.is_draft_extend_v2() or getattr(mode, "name", "").startswith("DRAFT"):
+                raise NotImplementedError(f"flydsl attention backend: forward mode {mode.name} (a draft-model pass) is "
+                                          "not served; the draft runs on --speculative-draft-attention-backend")
+
+        @staticmethod
+        def _verify_tokens(spec_info, bs: int, out_cache_loc) -> int:
+            """Draft tokens per request of a TARGET_VERIFY batch (topk 1: a chain, so causal masking is exact)."""
+            topk = getattr(spec_info, "topk", 1) if spec_info is not None else 1
+            if topk not in (None, 1):
+                raise NotImplementedError(f"flydsl attention backend: target verify of a draft tree (topk={topk}) is "
+                                          "not supported; use --speculative-eagle-topk 1")
+            n = int(getattr(spec_info, "num_tokens_per_req", -1) or -1) if spec_info is not None else -1
+            if n <= 0:
+                n = int(getattr(spec_info, "draft_token_num", -1) or -1) if spec_info is not None else -1
+            if n <= 0 and out_cache_loc is not None and bs > 0:
+                n = int(out_cache_loc.shape[0]) // bs
+            if not 1 <= n <= _contract.MAX_QUERY_LENGTH:
+                raise NotImplementedError(f"flydsl attention backend: target verify with {n} draft tokens per request; "
+                                          f"supported 1..{_contract.MAX_QUERY_LENGTH} (--speculative-num-draft-tokens)")
+            return n
 
         def init_forward_metadata(self, forward_batch):
             mode = forward_batch.forward_mode
@@ -410,6 +451,10 @@ def _build_backend_class():
             bt = self._block_table(forward_batch.req_pool_indices[:bs])
             cl = forward_batch.seq_lens[:bs].to(torch.int32)
             qsl = None
+            if mode.is_target_verify():
+                n = self._verify_tokens(forward_batch.spec_info, bs, forward_batch.out_cache_loc)
+                self.forward_metadata = FlyDSLForwardMetadata(bt, cl + n, None, n)
+                return
             if not mode.is_decode():
                 lens = getattr(forward_batch, "extend_seq_lens", None)
                 if lens is None:  # a decode batch relabelled as a 1-token extend (DP padding)
@@ -420,36 +465,47 @@ def _build_backend_class():
             self.forward_metadata = FlyDSLForwardMetadata(bt, cl, qsl)
 
         def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
-            if max_num_tokens != max_bs:
-                raise NotImplementedError("flydsl attention backend: CUDA graphs with more than one query token per "
-                                          f"request (max_num_tokens={max_num_tokens}, max_bs={max_bs}; speculative "
-                                          "decoding) are not supported")
+            n = max_num_tokens // max_bs if max_bs > 0 else 1
+            if max_bs <= 0 or max_num_tokens != n * max_bs or not 1 <= n <= _contract.MAX_QUERY_LENGTH:
+                raise NotImplementedError(f"flydsl attention backend: CUDA graphs need 1..{_contract.MAX_QUERY_LENGTH} "
+                                          f"query tokens per request (got max_num_tokens={max_num_tokens} for "
+                                          f"max_bs={max_bs})")
             if self.cuda_graph_block_tables is None or self.cuda_graph_max_bs < max_bs:
                 self.cuda_graph_block_tables = torch.zeros((max_bs, self.max_blocks), dtype=torch.int32,
                                                            device=self.device)
                 self.cuda_graph_context_lens = torch.ones((max_bs,), dtype=torch.int32, device=self.device)
                 self.cuda_graph_max_bs = max_bs
+            self.cuda_graph_query_length = n  # 1: decode graphs; 2..4: target-verify graphs (speculative decoding)
             if self.device.type == "cuda" and self.num_q_heads is not None:
                 from .planner import reserve
 
                 reserve(max_bs, self.num_q_heads, self.num_kv_heads, self.head_dim, self.max_blocks * self.page_size,
-                        self.page_size, query_length=1, device=self.device)
+                        self.page_size, query_length=n, device=self.device)
 
         def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
             """Capture (real ForwardBatch, in_capture=True) and replay (a SimpleNamespace view): fill the
-            static buffers' first ``bs`` rows in place; the metadata always views those buffers."""
+            static buffers' first ``bs`` rows in place; the metadata always views those buffers.
+            Decode and TARGET_VERIFY (context = seq_lens + draft tokens) batches."""
             mode = forward_batch.forward_mode
-            if not mode.is_decode():
+            verify = mode.is_target_verify()
+            if not (mode.is_decode() or verify):
                 self._reject_spec(mode)
                 raise NotImplementedError(f"flydsl attention backend: CUDA graphs for {mode.name} are not supported")
             if self.cuda_graph_block_tables is None:
                 raise RuntimeError("init_cuda_graph_state must run before init_forward_metadata_out_graph")
             bs = int(forward_batch.batch_size)
+            n = 1
+            if verify:
+                n = self._verify_tokens(getattr(forward_batch, "spec_info", None), 0, None) \
+                    if getattr(forward_batch, "spec_info", None) is not None else self.cuda_graph_query_length
             bt = self.cuda_graph_block_tables[:bs]
             cl = self.cuda_graph_context_lens[:bs]
             bt.copy_(self._block_table(forward_batch.req_pool_indices[:bs]))
-            cl.copy_(forward_batch.seq_lens[:bs])
-            self.forward_metadata = FlyDSLForwardMetadata(bt, cl, None)
+            if n == 1:
+                cl.copy_(forward_batch.seq_lens[:bs])
+            else:
+                torch.add(forward_batch.seq_lens[:bs], n, out=cl)
+            self.forward_metadata = FlyDSLForwardMetadata(bt, cl, None, n)
 
         def get_cuda_graph_seq_len_fill_value(self):
             return 1
@@ -499,13 +555,16 @@ def _build_backend_class():
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
             sliding_window, sinks, ks, vs, kc, vc, q3, o, md = self._prologue(q, k, v, layer, forward_batch,
                                                                               save_kv_cache, kwargs)
-            pa_decode(q3, kc, vc, md.block_tables, md.context_lens, ks, vs, query_length=1,
+            pa_decode(q3, kc, vc, md.block_tables, md.context_lens, ks, vs, query_length=md.query_length,
                       softmax_scale=layer.scaling, sliding_window=sliding_window, sinks=sinks, out=o,
                       backend=self.pa_impl)
             return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-            self._reject_spec(forward_batch.forward_mode)
+            mode = forward_batch.forward_mode
+            self._reject_spec(mode)
+            if mode.is_target_verify():  # draft tokens: query_length rows per request, on the decode kernel
+                return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
             sliding_window, sinks, ks, vs, kc, vc, q3, o, md = self._prologue(q, k, v, layer, forward_batch,
                                                                               save_kv_cache, kwargs)
             if md.query_start_loc is None:  # a decode-shaped metadata relabelled as a 1-token extend

@@ -11,6 +11,10 @@ import pytest
 from flydsl_backends.plugins import check_sglang_args
 
 
+SPEC = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, speculative_num_draft_tokens=3,
+            speculative_draft_attention_backend="triton")
+
+
 def _cfg(**over):
     base = dict(attention_backend="flydsl", prefill_attention_backend=None, decode_attention_backend=None,
                 kv_cache_dtype="fp8_e4m3", page_size=16, speculative_algorithm=None, linear_attn_backend=None,
@@ -23,7 +27,12 @@ def _cfg(**over):
                                   dict(attention_backend="triton", decode_attention_backend="flydsl"),
                                   dict(attention_backend="triton", kv_cache_dtype="auto", page_size=1),
                                   dict(attention_backend="aiter", kv_cache_dtype="auto", page_size=None,
-                                       linear_attn_decode_backend="flydsl")])
+                                       linear_attn_decode_backend="flydsl"),
+                                  dict(SPEC, speculative_num_draft_tokens=2),
+                                  dict(SPEC, speculative_algorithm="EAGLE", speculative_num_draft_tokens=4),
+                                  dict(SPEC, speculative_algorithm="NEXTN"),
+                                  dict(attention_backend="triton", speculative_algorithm="NGRAM",
+                                       speculative_eagle_topk=8)])
 def test_accepts(over):
     check_sglang_args(_cfg(**over), is_mla="aiter" in over.values())
 
@@ -34,7 +43,12 @@ def test_accepts(over):
     (dict(kv_cache_dtype="fp8_e5m2"), False, "--kv-cache-dtype fp8_e4m3"),
     (dict(page_size=1), False, "--page-size 16"),
     (dict(page_size=32), False, "--page-size 16"),
-    (dict(speculative_algorithm="EAGLE"), False, "--attention-backend triton"),
+    (dict(SPEC, speculative_algorithm="NGRAM"), False, "--speculative-algorithm EAGLE3"),
+    (dict(SPEC, speculative_eagle_topk=4), False, "--speculative-eagle-topk 1"),
+    (dict(SPEC, speculative_eagle_topk=None), False, "--speculative-eagle-topk 1"),
+    (dict(SPEC, speculative_num_draft_tokens=5), False, "--speculative-num-draft-tokens 3"),
+    (dict(SPEC, speculative_num_draft_tokens=1), False, "--speculative-num-draft-tokens 3"),
+    (dict(SPEC, speculative_draft_attention_backend=None), False, "--speculative-draft-attention-backend triton"),
     (dict(prefill_attention_backend="flydsl", attention_backend="triton", page_size=8), False, "--page-size"),
     (dict(attention_backend="triton", linear_attn_backend="flydsl"), False, "--linear-attn-decode-backend flydsl"),
     (dict(attention_backend="triton", linear_attn_prefill_backend="flydsl"), False, "--linear-attn-prefill-backend"),

@@ -370,21 +370,35 @@ def slot_bytes(pool, layer_id):
     return k, v
 
 
-def decode_batch(runner, rows, seq_lens, out_locs, device):
+def decode_batch(runner, rows, seq_lens, out_locs, device, n=1, topk=1):
     """A real decode ForwardBatch with explicit (possibly padded) rows: req-pool rows, seq_lens and
-    out_cache_loc as given (padded rows: row 0, seq_len 1, loc 0, as SGLang pads)."""
+    out_cache_loc as given (padded rows: row 0, seq_len 1, loc 0, as SGLang pads).
+
+    ``n`` > 1: a TARGET_VERIFY batch of ``n`` draft tokens per request, as EAGLE builds it
+    (``seq_lens`` without the drafts, ``out_cache_loc`` n slots per request, a real
+    ``EagleVerifyInput`` as spec_info)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     bs = len(rows)
+    if len(out_locs) != bs * n:
+        raise ValueError(f"out_locs: expected {bs} x {n} slots, got {len(out_locs)}")
+    spec_info = None
+    positions = [max(s - 1, 0) for s in seq_lens]
+    if n > 1:
+        from sglang.srt.speculative.eagle_info import EagleVerifyInput
+
+        spec_info = EagleVerifyInput.create_idle_input(topk=topk, spec_steps=n - 1, num_verify_tokens=n, device=device)
+        positions = [s + i for s in seq_lens for i in range(n)]
     fb = ForwardBatch(
-        forward_mode=ForwardMode.DECODE, batch_size=bs,
-        input_ids=torch.zeros(bs, dtype=torch.int64, device=device),
+        forward_mode=ForwardMode.DECODE if n == 1 else ForwardMode.TARGET_VERIFY, batch_size=bs,
+        input_ids=torch.zeros(bs * n, dtype=torch.int64, device=device),
         req_pool_indices=torch.tensor(rows, dtype=torch.int64, device=device),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
         seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
         out_cache_loc=torch.tensor(out_locs, dtype=torch.int64, device=device),
         seq_lens_sum=int(sum(seq_lens)),
-        positions=torch.tensor([max(s - 1, 0) for s in seq_lens], dtype=torch.int64, device=device))
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        spec_info=spec_info)
     runner.kv_index_translator.bind_own_plan(fb)
     return fb
 
@@ -395,4 +409,4 @@ def replay_view(fb, num_padding):
     return SimpleNamespace(batch_size=fb.batch_size, forward_mode=fb.forward_mode, actual_forward_mode=fb.forward_mode,
                            input_ids=fb.input_ids, positions=fb.positions, req_pool_indices=fb.req_pool_indices,
                            seq_lens=fb.seq_lens, seq_lens_cpu=fb.seq_lens_cpu, out_cache_loc=fb.out_cache_loc,
-                           seq_lens_sum=fb.seq_lens_sum, num_padding=num_padding, spec_info=None)
+                           seq_lens_sum=fb.seq_lens_sum, num_padding=num_padding, spec_info=fb.spec_info)

@@ -191,26 +191,128 @@ def test_cuda_graph_capture_then_padded_replay():
 
 
 # ------------------------------------------------------------------------------------------
+# speculative decoding: TARGET_VERIFY (EAGLE chain, topk 1) batches of n draft tokens per request
+
+
+def _verify_fixture(prefix_lens, n, page_size, seed, num_reqs=None):
+    """flydsl side + torch_native side over the same cached prefix; the reference runs the drafts as an
+    EXTEND of n tokens (a chain's verify is exactly causal extend attention)."""
+    case = H.Case(mode="extend", page_size=page_size, prefix_lens=prefix_lens, extend_lens=(n,) * len(prefix_lens),
+                  seed=seed)
+    fx_num = num_reqs or case.bs + 1
+    fly, slots = H.build_side(case, "flydsl", num_reqs=fx_num)
+    ref, _ = H.build_side(case, "torch_native", num_reqs=fx_num, slots=slots)
+    g = torch.Generator().manual_seed(seed)
+    npre = sum(prefix_lens)
+    prefix = [(torch.randn(npre, H.HKV, H.HEAD_DIM, generator=g).bfloat16(),
+               torch.randn(npre, H.HKV, H.HEAD_DIM, generator=g).bfloat16()) for _ in fly.layers]
+    H.populate_prefix(fly, case, slots, prefix)
+    H.populate_prefix(ref, case, slots, prefix)
+    locs = [slots[r][p + i] for r, p in enumerate(prefix_lens) for i in range(n)]
+    return case, fly, ref, slots, locs, g
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_target_verify_matches_torch_native_extend(n, page_size):
+    prefix_lens = (14, 33, 1, 47)
+    case, fly, ref, slots, locs, g = _verify_fixture(prefix_lens, n, page_size, seed=30 + n)
+    T = n * case.bs
+    q = torch.randn(T, H.HQ * H.HEAD_DIM, generator=g).bfloat16()
+    k = torch.randn(T, H.HKV * H.HEAD_DIM, generator=g).bfloat16()
+    v = torch.randn(T, H.HKV * H.HEAD_DIM, generator=g).bfloat16()
+    rows = [r + 1 for r in range(case.bs)]
+    fb = H.decode_batch(fly.runner, rows, list(prefix_lens), locs, "cpu", n=n)
+    assert fb.forward_mode.is_target_verify()
+    verify = H.Side(fly.runner, fly.backend, fly.layers, fb)
+    pool = fly.runner.token_to_kv_pool
+    before = [tuple(t.clone() for t in H.slot_bytes(pool, i)) for i in range(len(fly.layers))]
+    out = H.run_side(verify, q, k, v)
+    md = fly.backend.forward_metadata
+    assert md.query_length == n and md.query_start_loc is None
+    assert md.context_lens.tolist() == [p + n for p in prefix_lens]
+    want = H.run_side(ref, q, k, v)
+    for i, (o, w) in enumerate(zip(out, want)):
+        _close(o, w)
+        after = H.slot_bytes(pool, i)
+        for a, b in zip(before[i], after):
+            assert set((a != b).any(dim=1).nonzero().flatten().tolist()) <= set(locs)
+        kb, vb = H.slot_bytes(ref.runner.token_to_kv_pool, i)
+        assert torch.equal(after[0][locs], kb[locs]) and torch.equal(after[1][locs], vb[locs])
+    _close(out[0], H.fp8_reference_attention(case, verify, q))
+
+
+def test_target_verify_rejects_draft_tree():
+    case, fly, _, slots, locs, g = _verify_fixture((5, 9), 3, 16, seed=3)
+    fb = H.decode_batch(fly.runner, [1, 2], [5, 9], locs, "cpu", n=3, topk=2)
+    with pytest.raises(NotImplementedError, match="topk"):
+        fly.backend.init_forward_metadata(fb)
+
+
+def test_cuda_graph_target_verify_capture_then_padded_replay():
+    n, max_bs, P = 3, 4, 16
+    prefix_lens = (20, 37)
+    case, fly, ref, slots, locs, g = _verify_fixture(prefix_lens, n, P, seed=12, num_reqs=max_bs + 1)
+    be = fly.backend
+    be.init_cuda_graph_state(max_bs, max_bs * n)
+    assert be.cuda_graph_query_length == n
+    bt_buf, cl_buf = be.cuda_graph_block_tables, be.cuda_graph_context_lens
+    with pytest.raises(NotImplementedError, match="query tokens per request"):
+        be.init_cuda_graph_state(max_bs, max_bs * 5)
+    fill = be.get_cuda_graph_seq_len_fill_value()
+    cap = H.decode_batch(fly.runner, [0] * max_bs, [fill] * max_bs, [0] * (max_bs * n), "cpu", n=n)
+    be.init_forward_metadata_out_graph(cap, in_capture=True)
+    md = be.forward_metadata
+    assert md.block_tables.data_ptr() == bt_buf.data_ptr() and md.context_lens.data_ptr() == cl_buf.data_ptr()
+    assert md.query_length == n and md.context_lens.tolist() == [fill + n] * max_bs
+
+    rows = [1, 2, 0, 0]
+    seq = list(prefix_lens) + [fill, fill]
+    plocs = locs + [0] * (2 * n)
+    rep = H.decode_batch(fly.runner, rows, seq, plocs, "cpu", n=n)
+    pool = fly.runner.token_to_kv_pool
+    before = [tuple(t.clone() for t in H.slot_bytes(pool, i)) for i in range(len(fly.layers))]
+    be.init_forward_metadata_out_graph(H.replay_view(rep, num_padding=2))
+    md = be.forward_metadata
+    assert md.block_tables.data_ptr() == bt_buf.data_ptr() and md.context_lens.tolist() == [p + n for p in seq]
+    q = torch.randn(max_bs * n, H.HQ * H.HEAD_DIM, generator=g).bfloat16()
+    k = torch.randn(max_bs * n, H.HKV * H.HEAD_DIM, generator=g).bfloat16()
+    v = torch.randn(max_bs * n, H.HKV * H.HEAD_DIM, generator=g).bfloat16()
+    out = H.run_side(H.Side(fly.runner, be, fly.layers, rep), q, k, v, init=False)
+    want = H.run_side(ref, q[:2 * n], k[:2 * n], v[:2 * n])
+    for i, (o, w) in enumerate(zip(out, want)):
+        assert torch.isfinite(o.float()).all()
+        _close(o[:2 * n], w)
+        after = H.slot_bytes(pool, i)
+        for a, b in zip(before[i], after):
+            assert set((a != b).any(dim=1).nonzero().flatten().tolist()) <= set(locs) | {0}
+        assert int(after[0][1:P].count_nonzero()) == 0 and int(after[1][1:P].count_nonzero()) == 0
+
+
+# ------------------------------------------------------------------------------------------
 # pool: hook, layout, moves
 
 
 def test_kv_pool_hook_selects_pool_only_for_flydsl():
+    from types import SimpleNamespace
+
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-    from sglang.srt.platforms import current_platform
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
     from sglang.srt.runtime_context import get_context
 
     pas.install_kv_pool_hook()
     assert pas.install_kv_pool_hook() is False  # idempotent
+    resolve = KVCacheConfigurator._resolve_kv_pool_class
+    target, draft = SimpleNamespace(is_draft_worker=False), SimpleNamespace(is_draft_worker=True)
     get_context().override_server_args(attention_backend="flydsl", kv_cache_dtype="fp8_e4m3").install()
     try:
-        assert current_platform.get_kv_pool_cls(kind="mha") is pas.FlyDSLMHATokenToKVPool
-        assert current_platform.get_kv_pool_cls(kind="mla") is None
-        resolved = KVCacheConfigurator._resolve_kv_pool_class(None, kind="mha", default=MHATokenToKVPool)
-        assert resolved is pas.FlyDSLMHATokenToKVPool
+        assert resolve(target, kind="mha", default=MHATokenToKVPool) is pas.FlyDSLMHATokenToKVPool
+        assert resolve(target, kind="mla", default=MLATokenToKVPool) is MLATokenToKVPool
+        # a speculative draft worker runs on its own backend over SGLang's pool
+        assert resolve(draft, kind="mha", default=MHATokenToKVPool) is MHATokenToKVPool
     finally:
         get_context().override_server_args(attention_backend="torch_native").install()
-    assert current_platform.get_kv_pool_cls(kind="mha") is None
+    assert resolve(target, kind="mha", default=MHATokenToKVPool) is MHATokenToKVPool
 
 
 def test_pool_layout_and_page_aware_moves():
@@ -297,7 +399,10 @@ def test_import_does_not_pull_sglang():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_graph_decode_replays_equal_eager_gpu():
+@pytest.mark.parametrize("n", [1, 3], ids=["decode", "target_verify3"])
+def test_cuda_graph_decode_replays_equal_eager_gpu(n):
+    """Real torch.cuda.CUDAGraph capture of the backend's forward (Triton ops), 3 padded replays
+    equal to eager; n = 1 decode, n = 3 an EAGLE target-verify chain of 3 draft tokens."""
     dev = "cuda"
     max_bs, P = 4, 16
     live = H.Case(mode="decode", page_size=P, prefix_lens=(20, 37, 5), seed=21)
@@ -308,13 +413,13 @@ def test_cuda_graph_decode_replays_equal_eager_gpu():
     prefix = [(torch.randn(npre, H.HKV, H.HEAD_DIM, generator=g).bfloat16().to(dev),
                torch.randn(npre, H.HKV, H.HEAD_DIM, generator=g).bfloat16().to(dev)) for _ in layers]
     H.populate_prefix(side, live, slots, prefix)
-    be.init_cuda_graph_state(max_bs, max_bs)
+    be.init_cuda_graph_state(max_bs, max_bs * n)
 
     # static inputs (what the graph runner owns); capture values: rows 0, seq_len 1, loc 0
-    q_s = torch.zeros(max_bs, H.HQ * H.HEAD_DIM, dtype=torch.bfloat16, device=dev)
-    k_s = torch.zeros(max_bs, H.HKV * H.HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    q_s = torch.zeros(max_bs * n, H.HQ * H.HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    k_s = torch.zeros(max_bs * n, H.HKV * H.HEAD_DIM, dtype=torch.bfloat16, device=dev)
     v_s = torch.zeros_like(k_s)
-    fb = H.decode_batch(runner, [0] * max_bs, [1] * max_bs, [0] * max_bs, dev)
+    fb = H.decode_batch(runner, [0] * max_bs, [1] * max_bs, [0] * (max_bs * n), dev, n=n)
     be.init_forward_metadata_out_graph(fb, in_capture=True)
 
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
@@ -336,31 +441,33 @@ def test_cuda_graph_decode_replays_equal_eager_gpu():
 
         for step in range(3):
             n_live = 2 + step % 2  # 2 or 3 live rows, padded to 4
-            seq = [live.prefix_lens[r] + 1 + step for r in range(n_live)]
-            locs = [slots[r][seq[r] - 1] for r in range(n_live)]
+            # seq: tokens before this step's n new ones (decode: SGLang's seq_lens include the new token)
+            before = [live.prefix_lens[r] + step * n for r in range(n_live)]
+            seq = [b + 1 for b in before] if n == 1 else before
+            locs = [slots[r][b + i] for r, b in enumerate(before) for i in range(n)]
             rows = [r + 1 for r in range(n_live)]
             pad = max_bs - n_live
-            q = torch.randn(max_bs, q_s.shape[1], generator=g).bfloat16().to(dev)
-            k = torch.randn(max_bs, k_s.shape[1], generator=g).bfloat16().to(dev)
-            v = torch.randn(max_bs, k_s.shape[1], generator=g).bfloat16().to(dev)
+            q = torch.randn(max_bs * n, q_s.shape[1], generator=g).bfloat16().to(dev)
+            k = torch.randn(max_bs * n, k_s.shape[1], generator=g).bfloat16().to(dev)
+            v = torch.randn(max_bs * n, k_s.shape[1], generator=g).bfloat16().to(dev)
             q_s.copy_(q), k_s.copy_(k), v_s.copy_(v)
             fb.req_pool_indices.copy_(torch.tensor(rows + [0] * pad, device=dev))
             fb.seq_lens.copy_(torch.tensor(seq + [1] * pad, device=dev))
-            fb.out_cache_loc.copy_(torch.tensor(locs + [0] * pad, device=dev))
+            fb.out_cache_loc.copy_(torch.tensor(locs + [0] * (pad * n), device=dev))
             be.init_forward_metadata_out_graph(H.replay_view(fb, num_padding=pad))
             graph.replay()
             torch.cuda.synchronize()
-            got = [o[:n_live].clone() for o in outs]
+            got = [o[:n_live * n].clone() for o in outs]
 
             # eager, same padded batch, fresh metadata (rewrites the same K/V bytes)
-            efb = H.decode_batch(runner, rows + [0] * pad, seq + [1] * pad, locs + [0] * pad, dev)
+            efb = H.decode_batch(runner, rows + [0] * pad, seq + [1] * pad, locs + [0] * (pad * n), dev, n=n)
             be.init_forward_metadata(efb)
             eager = [layer(q.clone(), k.clone(), v.clone(), efb) for layer in layers]
             torch.cuda.synchronize()
             for i, (a, b) in enumerate(zip(got, eager)):
-                torch.testing.assert_close(a.float(), b[:n_live].float(), atol=1e-3, rtol=1e-3)
+                torch.testing.assert_close(a.float(), b[:n_live * n].float(), atol=1e-3, rtol=1e-3)
             # and both against the dequantize reference over the pool
-            case = H.Case(mode="decode", page_size=P, prefix_lens=tuple(s - 1 for s in seq), seed=0)
-            ref_side = H.Side(runner, be, layers, H.decode_batch(runner, rows, seq, locs, dev))
-            ref = H.fp8_reference_attention(case, ref_side, q[:n_live])
+            case = H.Case(mode="extend", page_size=P, prefix_lens=tuple(before), extend_lens=(n,) * n_live, seed=0)
+            ref_side = H.Side(runner, be, layers, H.decode_batch(runner, rows, seq, locs, dev, n=n))
+            ref = H.fp8_reference_attention(case, ref_side, q[:n_live * n])
             _close(got[0], ref)

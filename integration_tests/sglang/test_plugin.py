@@ -39,6 +39,7 @@ KIMI_LINEAR = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_l
                "num_experts_per_token": 2, "moe_intermediate_size": 128,
                "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "head_dim": 32, "num_heads": 4,
                                       "short_conv_kernel_size": 4}}
+EAGLE3 = dict(LLAMA, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=1024)
 COMMON = ["--device", "cpu", "--skip-tokenizer-init"]
 
 
@@ -46,7 +47,7 @@ COMMON = ["--device", "cpu", "--skip-tokenizer-init"]
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     out = {}
-    for name, cfg in (("llama", LLAMA), ("kimi", KIMI_LINEAR)):
+    for name, cfg in (("llama", LLAMA), ("kimi", KIMI_LINEAR), ("eagle3", EAGLE3)):
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(cfg))
         out[name] = str(root / name)
@@ -72,6 +73,8 @@ def test_entry_point_is_installed():
 def _cases(m):
     llama, kimi = m["llama"], m["kimi"]
     fp8 = ["--kv-cache-dtype", "fp8_e4m3"]
+    eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", m["eagle3"]]
+    chain = ["--speculative-eagle-topk", "1", "--speculative-num-steps", "2", "--speculative-num-draft-tokens", "3"]
     return {
         "gqa_page16": (["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--page-size", "16"], None),
         "gqa_page64_split": (["--model-path", llama, "--decode-attention-backend", "flydsl",
@@ -88,6 +91,15 @@ def _cases(m):
         "kimi_linear_attn_backend": (["--model-path", kimi, "--attention-backend", "triton",
                                       "--linear-attn-backend", "flydsl", "--disable-radix-cache"],
                                      "--linear-attn-decode-backend flydsl"),
+        "gqa_eagle3_chain": (["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--page-size", "16",
+                              *eagle, *chain, "--speculative-draft-attention-backend", "triton"], None),
+        "gqa_eagle3_no_draft_backend": (["--model-path", llama, "--attention-backend", "flydsl", *fp8,
+                                         "--page-size", "16", *eagle, *chain],
+                                        "--speculative-draft-attention-backend triton"),
+        "gqa_eagle3_5_tokens": (["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--page-size", "16",
+                                 *eagle, "--speculative-eagle-topk", "1", "--speculative-num-steps", "4",
+                                 "--speculative-num-draft-tokens", "5", "--speculative-draft-attention-backend",
+                                 "triton"], "--speculative-num-draft-tokens 3"),
         "k3_config": (["--config", str(ROOT / "configs/sglang/kimi-k3-tp8-mi355x.yaml"), "--model-path", kimi,
                        "--disable-radix-cache"], None),
         "gqa_config": (["--config", str(ROOT / "configs/sglang/llama-3.1-8b-fp8kv.yaml"), "--model-path", llama],
