@@ -7,6 +7,12 @@
   the FP8 x-packed layout, the KDA decode-kernel hook and a resolution-time check that rejects
   unsupported combinations with a message naming a working one.
 
+* ``register_vllm()`` — entry point group ``vllm.general_plugins`` (vLLM 0.33 calls it once in every
+  process: CLI, engine core, workers). It registers ``FLYDSL`` (``--attention-backend FLYDSL``) and
+  the spawn-safe ``CUSTOM`` slot for ``pa_backend.vllm.FlyDSLAttentionBackend``, and the KDA layer
+  hooks (``PluggableLayer.register_oot``), which run our decode only when the user opts in with
+  ``--additional-config '{"flydsl_kda": true}'``.
+
 Each function is idempotent. Importing this module imports nothing but the standard library;
 the framework modules are imported inside the functions (the framework is already loaded when it
 calls them), and FlyDSL / Triton only when a kernel first runs.
@@ -17,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 
-__all__ = ["register_sglang", "check_sglang_args"]
+__all__ = ["register_sglang", "register_vllm", "check_sglang_args"]
 
 log = logging.getLogger("flydsl_backends.plugins")
 _lock = threading.Lock()
@@ -149,3 +155,26 @@ def register_sglang() -> None:
     kda_sglang.register_hooks(HookRegistry, HookType)  # KDA decode kernel (+ Kimi-K3 fused decode)
     pa_sglang.install_kv_pool_hook()  # the FP8 x-packed KV pool for --attention-backend flydsl
     log.info("flydsl-backends: SGLang plugin registered (--attention-backend flydsl, --linear-attn-decode-backend flydsl)")
+
+
+VLLM_BACKEND_PATH = "pa_backend.vllm.FlyDSLAttentionBackend"
+
+
+def register_vllm() -> None:
+    """Entry point of ``vllm.general_plugins`` (idempotent)."""
+    if not _once("vllm"):
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if "FLYDSL" not in AttentionBackendEnum.__members__:
+        register_backend("FLYDSL", VLLM_BACKEND_PATH)
+    # CUSTOM unpickles by value in spawned workers (a dynamic member does not); the class still reports
+    # get_name() == "FLYDSL", which this function has registered in that process too
+    register_backend(AttentionBackendEnum.CUSTOM, VLLM_BACKEND_PATH)
+    try:
+        import kda_backend.vllm as kda_vllm
+    except ImportError:  # pragma: no cover - the KDA adapter ships with the package
+        kda_vllm = None
+    if kda_vllm is not None and hasattr(kda_vllm, "register_layer_hooks"):
+        kda_vllm.register_layer_hooks()
+    log.info("flydsl-backends: vLLM plugin registered (--attention-backend FLYDSL | CUSTOM)")

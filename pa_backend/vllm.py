@@ -1,0 +1,393 @@
+"""vLLM 0.33.0 adapter: ``--attention-backend FLYDSL`` (or the spawn-safe ``CUSTOM``) for MHA/GQA models
+over an FP8 paged KV cache.
+
+An adapter only: it turns vLLM's ``CommonAttentionMetadata`` and KV-cache view into the arguments of
+:func:`pa_backend.write_kv`, :func:`pa_backend.pa_decode` and :func:`pa_backend.pa_prefill`
+(DESIGN §4). No kernel code lives here. All vLLM classes are built on first attribute access
+(PEP 562), so ``import pa_backend.vllm`` imports no vLLM module.
+
+The cache (``customize_spec``): each block holds two head slots of ``block_size x (Hkv*D)`` bytes —
+slot 0 the K page, slot 1 the V page — so vLLM's logical layer view is ``[num_blocks, 2, N, Hkv*D]``
+uint8. With the (N, C)-innermost layouts this backend asks for (``LBHNC``, ``LHBNC``) each (block,
+slot) region is one contiguous run of ``N*Hkv*D`` bytes, which the impl reads as the DESIGN §4 pages:
+K ``[Hkv, D/16, N, 16]`` and V ``[Hkv, N/16, D, 16]``. Block and slot strides are taken from the tensor
+(vLLM's layouts and hybrid page padding change them); vLLM never interprets those bytes itself.
+
+Batches: a batch whose requests all have the same query length ``n`` in 1..4 (decode, uniform
+spec-decode; CUDA-graph padded requests have query length 0 and ``seq_len`` 0 and read nothing) runs
+``pa_decode(query_length=n)``; every other batch (prefill, chunked prefill, mixed) runs
+``pa_prefill``. The K/V write is separate (``forward_includes_kv_cache_update = False``):
+``do_kv_cache_update`` calls ``write_kv`` with vLLM's slot mapping (``-1`` padding slots skipped) and
+the layer's per-tensor ``_k_scale`` / ``_v_scale``. FP8 is ``current_platform.fp8_dtype()``
+(e4m3fnuz on gfx942, e4m3fn elsewhere).
+
+CUDA graphs: ``UNIFORM_BATCH`` — uniform batches (decode and spec-decode up to 4 tokens per request)
+run the split-K decode whose grid depends on shapes only (the planner's workspace is reserved in the
+builder's ``__init__``), and every tensor it reads is one of the runner's persistent buffers.
+Prefill/mixed batches use ``pa_prefill``, whose launch depends on host values, so they are not
+declared graph-safe. With more than 3 speculative tokens the support drops to
+``UNIFORM_SINGLE_TOKEN_DECODE``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from . import contract as _contract
+from .api import pa_decode, pa_prefill, write_kv
+
+__all__ = ["FlyDSLAttentionBackend", "FlyDSLAttentionMetadataBuilder", "FlyDSLAttentionImpl",
+           "FlyDSLAttentionMetadata", "BACKEND_NAME", "kv_cache_views", "uniform_query_length"]
+
+log = logging.getLogger("flydsl_backends.pa.vllm")
+
+BACKEND_NAME = "FLYDSL"
+BLOCK_SIZES = _contract.BLOCK_SIZES  # (16, 64, 128)
+HEAD_DIMS = _contract.HEAD_DIMS  # (64, 128, 256)
+KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+_WORKING = ("--attention-backend FLYDSL --kv-cache-dtype fp8 --block-size 16 (or 64 / 128), --dtype bfloat16, "
+            "an MHA/GQA decoder with head size 64, 128 or 256")
+
+_lock = threading.Lock()
+_classes: dict = {}
+
+
+@dataclass
+class FlyDSLAttentionMetadata:
+    num_actual_tokens: int  # tokens of this step, CUDA-graph padding included
+    num_reqs: int
+    max_query_len: int
+    query_length: int  # n > 0: every request has n query tokens (or 0: padding) -> pa_decode; 0 -> pa_prefill
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32 (device)
+    seq_lens: torch.Tensor  # [num_reqs] int32, context + new tokens (padded requests: 0)
+    block_table: torch.Tensor  # [num_reqs, max_blocks] int32 kernel block ids (padded rows: null block 0)
+    slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding
+
+
+def uniform_query_length(query_start_loc_cpu: torch.Tensor, num_reqs: int, num_actual_tokens: int,
+                         max_query_len: int) -> int:
+    """n when each of the ``num_reqs`` requests has n query tokens except trailing CUDA-graph padding
+    requests with 0 (and the token count is ``num_reqs * n``), n in 1..MAX_QUERY_LENGTH; else 0."""
+    n = int(max_query_len)
+    if not 1 <= n <= _contract.MAX_QUERY_LENGTH or num_actual_tokens != num_reqs * n or num_reqs == 0:
+        return 0
+    lens = (query_start_loc_cpu[1:num_reqs + 1] - query_start_loc_cpu[:num_reqs]).tolist()
+    live = 0
+    while live < len(lens) and lens[live] == n:
+        live += 1
+    return n if all(x == 0 for x in lens[live:]) else 0
+
+
+def kv_cache_views(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int, fp8_dtype: torch.dtype):
+    """(key_cache [B, Hkv, D/16, N, 16], value_cache [B, Hkv, N/16, D, 16]) FP8 views of vLLM's layer
+    view ``[B, 2, N, Hkv*D]`` (uint8 or FP8). Each (block, slot) region must be ``N*Hkv*D`` contiguous
+    bytes (the (N, C)-innermost layouts); block and slot strides are read from the tensor."""
+    if not isinstance(kv_cache, torch.Tensor):
+        raise TypeError(f"kv_cache: expected a torch.Tensor, got {type(kv_cache).__name__}")
+    if kv_cache.dim() != 4 or int(kv_cache.shape[1]) != 2 or int(kv_cache.shape[3]) != num_kv_heads * head_size:
+        raise ValueError(f"kv_cache: expected the flydsl layer view [num_blocks, 2, block_size, "
+                         f"{num_kv_heads}*{head_size}], got {list(kv_cache.shape)} (is the backend's customize_spec "
+                         "in effect?)")
+    if kv_cache.element_size() != 1:
+        raise ValueError(f"kv_cache: expected a 1-byte (uint8 / FP8) cache, got {kv_cache.dtype}")
+    B, _, N, C = (int(s) for s in kv_cache.shape)
+    if kv_cache.stride(3) != 1 or kv_cache.stride(2) != C:
+        raise ValueError(f"kv_cache: each block's K and V page must be contiguous (strides [.., .., {C}, 1]), got "
+                         f"strides {tuple(kv_cache.stride())}; use a KV cache layout with tokens and content "
+                         "innermost (VLLM_KV_CACHE_LAYOUT=LBHNC or LHBNC)")
+    if N % 16:
+        raise ValueError(f"kv_cache: block_size {N} is not a multiple of 16")
+    D, H = head_size, num_kv_heads
+    raw = kv_cache.view(torch.uint8) if kv_cache.dtype != torch.uint8 else kv_cache
+    sb, ss = raw.stride(0), raw.stride(1)
+    off = raw.storage_offset()
+    k = raw.as_strided((B, H, D // 16, N, 16), (sb, N * D, N * 16, 16, 1), off)
+    v = raw.as_strided((B, H, N // 16, D, 16), (sb, N * D, 16 * D, 16, 1), off + ss)
+    return k.view(fp8_dtype), v.view(fp8_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# the vLLM classes (built lazily)
+
+
+def _fp8_dtype():
+    from vllm.platforms import current_platform
+
+    return current_platform.fp8_dtype()
+
+
+def _build_backend_class():
+    from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleOf  # noqa: F401
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    class FlyDSLAttentionBackend(AttentionBackend):
+        """``--attention-backend FLYDSL``: FP8 paged attention (pa_decode / pa_prefill / write_kv)."""
+
+        supported_dtypes = [torch.bfloat16, torch.float16]
+        supported_kv_cache_dtypes = list(KV_CACHE_DTYPES)
+        forward_includes_kv_cache_update = False
+
+        @staticmethod
+        def get_name() -> str:
+            return BACKEND_NAME
+
+        @staticmethod
+        def get_impl_cls():
+            return _get_class("FlyDSLAttentionImpl")
+
+        @staticmethod
+        def get_builder_cls():
+            return _get_class("FlyDSLAttentionMetadataBuilder")
+
+        @staticmethod
+        def get_supported_kernel_block_sizes(kv_cache_spec=None):
+            return list(BLOCK_SIZES)
+
+        @classmethod
+        def supports_block_size(cls, block_size) -> bool:
+            return block_size is None or block_size in BLOCK_SIZES
+
+        @classmethod
+        def get_supported_head_sizes(cls):
+            return list(HEAD_DIMS)
+
+        @classmethod
+        def supports_sink(cls) -> bool:
+            return True
+
+        @classmethod
+        def supports_sliding_window(cls) -> bool:
+            return True
+
+        @classmethod
+        def supports_kv_connector(cls) -> bool:
+            return False  # the pages are the DESIGN §4 layout, not what connectors expect
+
+        @classmethod
+        def customize_spec(cls, spec):
+            """Two head slots per block (K page, V page) of ``Hkv * D`` bytes per token."""
+            from dataclasses import replace
+
+            from vllm.utils.torch_utils import get_dtype_size
+
+            if spec.state_content_bytes is not None:
+                return spec
+            if spec.head_size != spec.head_size_v:
+                return spec  # rejected by validate_configuration / the impl with the reason
+            return replace(spec, num_head_slots=2,
+                           state_content_bytes=spec.num_kv_heads * spec.head_size * get_dtype_size(spec.dtype))
+
+        @classmethod
+        def supported_kv_cache_layouts(cls):
+            # tokens and content innermost: each (block, K|V) page is one contiguous region
+            return (KVCacheLayout.LBHNC, KVCacheLayout.LHBNC)
+
+        @classmethod
+        def supports_combination(cls, head_size, dtype, kv_cache_dtype, block_size, use_mla, has_sink, use_sparse,
+                                 use_mm_prefix, device_capability):
+            reasons = []
+            if kv_cache_dtype not in KV_CACHE_DTYPES:
+                reasons.append(f"flydsl reads an FP8 KV cache: use --kv-cache-dtype fp8 (got {kv_cache_dtype!r})")
+            if block_size is not None and block_size not in BLOCK_SIZES:
+                reasons.append(f"flydsl pages hold 16, 64 or 128 tokens: use --block-size 16 (got {block_size})")
+            if head_size not in HEAD_DIMS:
+                reasons.append(f"flydsl supports head sizes {HEAD_DIMS} (got {head_size})")
+            return "; ".join(reasons) + f" ({_WORKING})" if reasons else None
+
+    FlyDSLAttentionBackend.__module__ = __name__
+    FlyDSLAttentionBackend.__qualname__ = "FlyDSLAttentionBackend"
+    return FlyDSLAttentionBackend
+
+
+def _build_builder_class():
+    from vllm.config import CUDAGraphMode
+    from vllm.v1.attention.backend import AttentionCGSupport, AttentionMetadataBuilder
+
+    class FlyDSLAttentionMetadataBuilder(AttentionMetadataBuilder):
+        """Copies vLLM's per-step tensors (all persistent runner buffers) and decides, on the host, whether
+        the batch is uniform (pa_decode) or ragged (pa_prefill)."""
+
+        _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+
+        @classmethod
+        def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
+            spec = getattr(vllm_config, "speculative_config", None)
+            k = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+            if k + 1 > _contract.MAX_QUERY_LENGTH:
+                return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+            return cls._cudagraph_support
+
+        def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+            super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            self.block_size = int(kv_cache_spec.block_size)
+            mc, pc = vllm_config.model_config, vllm_config.parallel_config
+            self.num_heads_q = int(mc.get_num_attention_heads(pc))
+            self.num_heads_kv = int(mc.get_num_kv_heads(pc))
+            self.head_size = int(mc.get_head_size())
+            self.device = torch.device(device)
+            mode = vllm_config.compilation_config.cudagraph_mode
+            self.full_graphs = mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY,
+                                        CUDAGraphMode.FULL)
+            if self.device.type == "cuda" and self.full_graphs:
+                from .planner import reserve
+
+                spec = getattr(vllm_config, "speculative_config", None)
+                ql = 1 + int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 1
+                reserve(int(vllm_config.scheduler_config.max_num_seqs), self.num_heads_q, self.num_heads_kv,
+                        self.head_size, int(mc.max_model_len), self.block_size,
+                        query_length=min(ql, _contract.MAX_QUERY_LENGTH), device=self.device)
+
+        def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
+            cam = common_attn_metadata
+            if common_prefix_len:
+                raise NotImplementedError("flydsl attention: cascade attention (common_prefix_len > 0) is not supported")
+            n = uniform_query_length(cam.query_start_loc_cpu, cam.num_reqs, cam.num_actual_tokens, cam.max_query_len)
+            seq_lens = cam.seq_lens if cam.seq_lens.dtype == torch.int32 else cam.seq_lens.to(torch.int32)
+            bt = cam.block_table_tensor
+            if bt.dtype != torch.int32:
+                bt = bt.to(torch.int32)
+            return FlyDSLAttentionMetadata(
+                num_actual_tokens=int(cam.num_actual_tokens), num_reqs=int(cam.num_reqs),
+                max_query_len=int(cam.max_query_len), query_length=n, query_start_loc=cam.query_start_loc,
+                seq_lens=seq_lens, block_table=bt, slot_mapping=cam.slot_mapping)
+
+        def build_for_cudagraph_capture(self, common_attn_metadata):
+            md = self.build(0, common_attn_metadata)
+            if md.query_length == 0:
+                raise NotImplementedError("flydsl attention: CUDA graphs are declared for uniform batches only "
+                                          f"(query length 1..{_contract.MAX_QUERY_LENGTH} per request)")
+            md.seq_lens.fill_(1)  # capture reads one token per request (as vLLM's own backends do)
+            return md
+
+    FlyDSLAttentionMetadataBuilder.__module__ = __name__
+    FlyDSLAttentionMetadataBuilder.__qualname__ = "FlyDSLAttentionMetadataBuilder"
+    return FlyDSLAttentionMetadataBuilder
+
+
+def _build_impl_class():
+    from vllm.v1.attention.backend import AttentionImpl, AttentionType
+
+    class FlyDSLAttentionImpl(AttentionImpl):
+        """Decode/spec-decode → ``pa_decode``; prefill/mixed → ``pa_prefill``; K/V → ``write_kv``.
+
+        ``pa_impl`` picks the op implementation (``torch`` | ``triton`` | ``flydsl`` | ``auto``,
+        default ``auto``, which honours ``FLYDSL_BACKENDS_PA``); settable on the instance for tests.
+        """
+
+        def __init__(self, num_heads, head_size, scale, num_kv_heads=None, alibi_slopes=None, sliding_window=None,
+                     kv_cache_dtype="auto", logits_soft_cap=None, attn_type=AttentionType.DECODER,
+                     kv_sharing_target_layer_name=None, sinks=None, **kwargs):
+            self.num_heads = int(num_heads)
+            self.head_size = int(head_size)
+            self.scale = float(scale)
+            self.num_kv_heads = int(num_kv_heads if num_kv_heads is not None else num_heads)
+            self.kv_cache_dtype = kv_cache_dtype
+            self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+            self.attn_type = attn_type
+            if alibi_slopes is not None:
+                raise ValueError("alibi_slopes: ALiBi is not supported by --attention-backend FLYDSL")
+            if logits_soft_cap:
+                raise ValueError(f"logits_soft_cap={logits_soft_cap}: soft-capping is not supported by "
+                                 "--attention-backend FLYDSL")
+            if attn_type != AttentionType.DECODER:
+                raise ValueError(f"attn_type={attn_type}: --attention-backend FLYDSL serves causal decoder "
+                                 "self-attention only")
+            if kv_cache_dtype not in KV_CACHE_DTYPES:
+                raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: --attention-backend FLYDSL reads an FP8 KV "
+                                 f"cache; use --kv-cache-dtype fp8 ({_WORKING})")
+            if self.head_size not in HEAD_DIMS:
+                raise ValueError(f"head_size={self.head_size}: supported {HEAD_DIMS} ({_WORKING})")
+            g = self.num_heads // self.num_kv_heads if self.num_kv_heads else 0
+            if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads or not 1 <= g <= _contract.MAX_GQA:
+                raise ValueError(f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}: "
+                                 f"--attention-backend FLYDSL supports GQA ratios 1..{_contract.MAX_GQA}")
+            # vLLM's window w covers w tokens including the current one, as the op's sliding_window does
+            self.sliding_window = int(sliding_window) if sliding_window else 0
+            if sinks is not None and (sinks.dim() != 1 or int(sinks.shape[0]) != self.num_heads):
+                raise ValueError(f"sinks: expected [{self.num_heads}] (one per query head on this rank), got "
+                                 f"{list(sinks.shape)}")
+            self.sinks = sinks
+            self._sinks_f32 = None
+            self.fp8_dtype = _fp8_dtype()
+            self.pa_impl = "auto"
+            self._views = {}
+
+        def process_weights_after_loading(self, act_dtype):
+            self._sinks_f32 = None
+            self._sinks()  # the fp32 copy of the loaded sinks, made before any graph capture
+
+        def _sinks(self):
+            if self.sinks is None:
+                return None
+            if self.sinks.dtype == torch.float32:
+                return self.sinks
+            if self._sinks_f32 is None or self._sinks_f32.device != self.sinks.device:
+                self._sinks_f32 = self.sinks.detach().float()
+            return self._sinks_f32
+
+        def _caches(self, kv_cache):
+            key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))
+            views = self._views.get(key)
+            if views is None:
+                views = kv_cache_views(kv_cache, self.num_kv_heads, self.head_size, self.fp8_dtype)
+                if len(self._views) > 8:
+                    self._views.clear()
+                self._views[key] = views
+            return views
+
+        def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+            kc, vc = self._caches(kv_cache)
+            n = int(slot_mapping.shape[0])
+            write_kv(key[:n], value[:n], kc, vc, slot_mapping, layer._k_scale, layer._v_scale, backend=self.pa_impl)
+
+        def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                    output_block_scale=None):
+            if output_scale is not None or output_block_scale is not None:
+                raise NotImplementedError("--attention-backend FLYDSL: fused output quantization is not supported")
+            if attn_metadata is None:  # profiling run
+                return output.fill_(0)
+            md = attn_metadata
+            kc, vc = self._caches(kv_cache)
+            T = md.num_actual_tokens
+            q, out = query[:T], output[:T]
+            kw = dict(softmax_scale=self.scale, sliding_window=self.sliding_window, sinks=self._sinks(), out=out,
+                      backend=self.pa_impl)
+            if md.query_length:
+                R = md.num_reqs
+                pa_decode(q, kc, vc, md.block_table[:R], md.seq_lens[:R], layer._k_scale, layer._v_scale,
+                          query_length=md.query_length, **kw)
+            else:
+                R = md.num_reqs
+                pa_prefill(q, kc, vc, md.block_table[:R], md.query_start_loc[:R + 1], md.seq_lens[:R],
+                           layer._k_scale, layer._v_scale, **kw)
+            return output
+
+    FlyDSLAttentionImpl.__module__ = __name__
+    FlyDSLAttentionImpl.__qualname__ = "FlyDSLAttentionImpl"
+    return FlyDSLAttentionImpl
+
+
+_BUILDERS = {"FlyDSLAttentionBackend": _build_backend_class,
+             "FlyDSLAttentionMetadataBuilder": _build_builder_class,
+             "FlyDSLAttentionImpl": _build_impl_class}
+
+
+def _get_class(name):
+    with _lock:
+        cls = _classes.get(name)
+    if cls is None:
+        cls = _BUILDERS[name]()
+        with _lock:
+            cls = _classes.setdefault(name, cls)
+    return cls
+
+
+def __getattr__(name):  # PEP 562: build the vLLM subclasses on first use
+    if name in _BUILDERS:
+        return _get_class(name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
