@@ -1,0 +1,371 @@
+"""vLLM 0.33.0 adapter of the KDA decode op: a layer hook for Kimi-Linear (and Kimi-K3 on ROCm).
+
+vLLM has no registry for KDA decode kernels: the Mamba "attention backend" (``GDN_ATTN``) only builds
+``GDNAttentionMetadata``, and the kernels run inside the layer's ``_forward``. The plugin therefore
+calls :func:`register_layer_hooks`, which registers, through
+``vllm.model_executor.custom_op.PluggableLayer.register_oot``, a subclass of
+
+* ``vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn.KimiGatedDeltaNetAttention``
+  (Kimi-Linear, every platform) under the name ``"KimiGatedDeltaNetAttention"``, and
+* ``vllm.models.kimi_k3.amd.kda.KimiK3DeltaAttention`` (Kimi-K3 on ROCm) under
+  ``"KimiK3DeltaAttention"``, only on ROCm and only when that module imports (it needs aiter);
+  otherwise it is skipped with a debug log. (NVIDIA's K3 layer, ``vllm.models.kimi_k3.nvidia.kda``,
+  has the same class name: registering the AMD subclass under that name on NVIDIA would replace
+  NVIDIA's layer with the AMD one, hence the ROCm check.)
+
+``PluggableLayer.__new__`` then builds our subclass wherever vLLM constructs the original. The
+subclass only overrides ``_forward(mixed_qkv, g1, g2, beta, core_attn_out)`` (same signature and
+``@eager_break_during_capture`` decoration as vLLM's), so weights, loading, metadata (vLLM's own
+``GDNAttentionMetadataBuilder`` / K3's ``KimiK3ROCmKDAMetadataBuilder``) and the cache spec are
+vLLM's.
+
+Opt-in: ``--additional-config '{"flydsl_kda": true}'``. The switch is read from
+``vllm.config.get_current_vllm_config()`` when the layer is constructed
+(:func:`flydsl_kda_enabled`); with it off, or for a batch we do not take, ``_forward`` is
+``super()._forward`` unchanged. Which path runs is logged once ("KDA decode: flydsl-backends
+kda_decode" / "KDA decode: vLLM's path (reason)").
+
+What runs on our op: **pure non-spec decode batches** (``spec_sequence_masks is None``,
+``num_prefills == 0``, ``num_decodes > 0``). Prefill, mixed prefill+decode and speculative decode stay
+on vLLM's kernels. The mapping of vLLM's decode onto
+:func:`kda_backend.kda_decode` (one launch, implementation chosen by the registry: FlyDSL on
+gfx950/gfx942, Triton on NVIDIA, the reference on CPU; ``FLYDSL_BACKENDS_KDA`` forces one):
+
+* ``x`` = ``mixed_qkv[:T]`` (pre-conv q|k|v, row-strided view of the input projection),
+  T = ``num_actual_tokens``;
+* conv fused: ``conv_weight`` = ``conv1d.weight`` [3P, 1, W] viewed [3P, W] (fp32),
+  ``conv_bias`` = ``conv1d.bias`` (None for Kimi), ``conv_state`` = the layer's
+  ``(slots, dim, state_len)`` view (the transpose of vLLM's default "SD" width-major page-strided
+  buffer, or the "DS" buffer as is), updated in place;
+* ``a`` = ``g1[0, :T]`` (raw forget gate, f_b_proj already applied by ``forward``), ``b`` =
+  ``beta[:, :T]`` (raw beta), ``A_log``, ``dt_bias`` (per channel), ``lower_bound`` =
+  ``gate_lower_bound`` (None: the softplus gate);
+* ``state`` = the recurrent state [slots, H, V, K] (page-strided, fp32 or bf16), updated in place;
+* ``state_indices`` = ``non_spec_state_indices_tensor[:T]`` with vLLM's **null block 0** (and any
+  index <= 0) **mapped to -1** (our padding row: zero output, neither cache touched), written into a
+  persistent int32 buffer with ``torch.le(out=)`` / ``copy_`` / ``masked_fill_`` (no host sync, no
+  per-step allocation; rows past the index tensor's length are padding too). Our op treats slot 0
+  as live, vLLM's kernels skip ``idx <= 0``: the mapping makes the two agree;
+* **gated norm fused**: vLLM's ``_forward`` ends with
+  ``core_attn_out.copy_(self.o_norm(core_attn_out, g2))``, i.e. it must leave
+  ``rmsnorm(o) * o_norm.weight * sigmoid(g2)`` in ``core_attn_out`` (the caller then applies only
+  ``o_proj``), so ``output_gate`` = ``g2[:T]``, ``norm_weight`` = ``o_norm.weight``, ``norm_eps`` =
+  ``o_norm.eps``, and ``out`` = ``core_attn_out[0, :T]`` is written in place (rows past T, if any,
+  are zeroed). The one numerical difference from vLLM: vLLM rounds ``o`` to the activation dtype
+  before its norm, our op normalizes the FP32 ``o``.
+
+Decode batches our op does not cover (checked once per shapes/dtypes/strides with the op's own
+validation, e.g. a head dim the Triton kernel lacks, or a conv state of width W-1+num_spec when
+speculative decoding is configured) take vLLM's path, logged once with the reason. Padding rows of a
+CUDA-graph batch (null block 0) never change a cache.
+
+Kimi-K3 (ROCm): ``KimiK3DeltaAttention.forward`` applies ``f_b_proj`` before ``_forward`` (the
+``_forward`` signature is the same as Kimi-Linear's and ``g1`` is the projected gate), so the hook
+uses :func:`kda_backend.kda_decode` with the same mapping rather than ``kda_decode_with_f_b`` (which
+needs ``f_a``; fusing f_b would mean overriding ``forward`` too). Our path is tried before vLLM's
+AITER/HIP fused decode; everything else (prefill, spec decode, uncovered shapes) is K3's own
+``_forward``. This K3 subclass is untested here (its module does not import without ROCm + aiter).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+__all__ = ["register_layer_hooks", "flydsl_kda_enabled", "CONFIG_KEY", "KIMI_LINEAR_LAYER", "KIMI_K3_LAYER",
+           "kimi_linear_layer_class", "kimi_k3_layer_class", "decode_on_flydsl", "map_state_indices"]
+
+log = logging.getLogger("flydsl_backends.vllm.kda")
+
+CONFIG_KEY = "flydsl_kda"
+KIMI_LINEAR_LAYER = "KimiGatedDeltaNetAttention"
+KIMI_K3_LAYER = "KimiK3DeltaAttention"
+KIMI_LINEAR_MODULE = "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn"
+KIMI_K3_MODULE = "vllm.models.kimi_k3.amd.kda"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off", "")
+
+_lock = threading.Lock()
+_registered: Dict[str, type] = {}
+_logged: set = set()
+_cover_cache: Dict[tuple, Tuple[bool, str]] = {}
+
+
+def _log_once(key, level: int, msg: str, *args) -> None:
+    if key not in _logged:
+        _logged.add(key)
+        log.log(level, msg, *args)
+
+
+def flydsl_kda_enabled(vllm_config) -> bool:
+    """Whether ``vllm_config.additional_config["flydsl_kda"]`` asks for our KDA decode.
+
+    Booleans and integers are taken as truthy/falsy; strings ``1/true/yes/on`` and
+    ``0/false/no/off/""`` (any case) too. Anything else raises ValueError naming the key.
+    A config without ``additional_config`` (or a non-dict one) means off.
+    """
+    extra = getattr(vllm_config, "additional_config", None)
+    if not isinstance(extra, dict):
+        return False
+    value = extra.get(CONFIG_KEY, False)
+    if value is None or isinstance(value, (bool, int)):
+        return bool(value)
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in _TRUE:
+            return True
+        if v in _FALSE:
+            return False
+    raise ValueError(f"additional_config[{CONFIG_KEY!r}]: expected true or false, got {value!r}")
+
+
+# --- state-index mapping ---------------------------------------------------------------------------
+
+class _IndexBuffers:
+    """Persistent int32 index / bool mask buffers per device. They only grow, and an outgrown
+    buffer is kept alive, so CUDA graphs captured with it stay valid."""
+
+    def __init__(self):
+        self._bufs: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+        self._old: List[Tuple[torch.Tensor, torch.Tensor]] = []
+
+    def get(self, device: torch.device, n: int, hint: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+        cur = self._bufs.get(device)
+        if cur is None or cur[0].numel() < n:
+            size = max(n, hint, 2 * cur[0].numel() if cur is not None else 0, 1)
+            if cur is not None:
+                self._old.append(cur)
+            cur = (torch.empty(size, dtype=torch.int32, device=device),
+                   torch.empty(size, dtype=torch.bool, device=device))
+            self._bufs[device] = cur
+        return cur
+
+
+_index_buffers = _IndexBuffers()
+
+
+def map_state_indices(indices: torch.Tensor, num_rows: int, hint: int = 0) -> torch.Tensor:
+    """vLLM's ``non_spec_state_indices_tensor`` -> our op's ``state_indices`` [num_rows] int32:
+    indices <= 0 (vLLM's null block 0) become -1 (padding), rows past ``len(indices)`` are -1.
+    Written into a persistent buffer (a view of it is returned): no host sync, no allocation once
+    the buffer is large enough."""
+    if not isinstance(indices, torch.Tensor):
+        raise TypeError(f"non_spec_state_indices_tensor: expected a tensor, got {type(indices).__name__}")
+    if indices.dim() != 1 or indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"non_spec_state_indices_tensor: expected a 1-D int32/int64 tensor, got "
+                         f"{list(indices.shape)} {indices.dtype}")
+    n = min(int(indices.shape[0]), int(num_rows))
+    buf, mask = _index_buffers.get(indices.device, int(num_rows), hint)
+    out = buf[:num_rows]
+    src = indices[:n]
+    torch.le(src, 0, out=mask[:n])
+    out[:n].copy_(src)
+    out[:n].masked_fill_(mask[:n], -1)
+    if n < num_rows:
+        out[n:].fill_(-1)
+    return out
+
+
+# --- the decode step -------------------------------------------------------------------------------
+
+def _sig(*tensors) -> tuple:
+    return tuple(None if t is None else (tuple(t.shape), t.dtype, tuple(t.stride()), t.device) for t in tensors)
+
+
+def _covers(kw: dict, backend: str) -> Tuple[bool, str]:
+    """Memoized: does our op (``backend``) accept this call? Uses the op's own validation."""
+    key = (backend, kw["lower_bound"] is None, float(kw["norm_eps"])) + _sig(
+        *(kw[k] for k in ("x", "conv_weight", "conv_bias", "conv_state", "a", "b", "A_log", "dt_bias", "state",
+                          "state_indices", "output_gate", "norm_weight", "out")))
+    hit = _cover_cache.get(key)
+    if hit is None:
+        from .api import REGISTRY
+        from .contract import prepare
+
+        try:
+            p = prepare(**kw)
+            REGISTRY.select(p, backend, device_type=p.device.type)
+            hit = (True, "")
+        except (ValueError, TypeError) as exc:
+            hit = (False, str(exc))
+        if len(_cover_cache) > 4096:
+            _cover_cache.clear()
+        _cover_cache[key] = hit
+    return hit
+
+
+def _static_reason(layer) -> Optional[str]:
+    """Why this layer can never take our path (None: it can), from its modules."""
+    norm = getattr(layer, "o_norm", None)
+    if norm is None or getattr(norm, "weight", None) is None:
+        return "o_norm has no weight (our op fuses rmsnorm * weight * sigmoid(gate))"
+    if getattr(norm, "activation", None) != "sigmoid":
+        return f"o_norm activation is {getattr(norm, 'activation', None)!r}, our op's gated norm is sigmoid"
+    w = layer.conv1d.weight
+    if w.dim() != 3 or int(w.shape[1]) != 1:
+        return f"conv1d.weight has shape {list(w.shape)}, expected [3P, 1, W]"
+    return None
+
+
+def decode_on_flydsl(layer, mixed_qkv, g1, g2, beta, core_attn_out, backend: str = "auto") -> Optional[str]:
+    """Run ``layer``'s KDA decode on our op if this batch is a pure non-spec decode batch we cover.
+
+    Returns None when it ran (``core_attn_out`` written in place, caches updated), else the
+    reason it did not (nothing written). ``layer`` is a vLLM KDA layer with ``kv_cache`` bound.
+    """
+    from vllm.forward_context import get_forward_context
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    attn_metadata = get_forward_context().attn_metadata
+    if not isinstance(attn_metadata, dict):
+        return "no attention metadata (profile or dummy run)"
+    m = attn_metadata.get(layer.prefix)
+    if m is None:
+        return "no metadata for this layer (profile or dummy run)"
+    if getattr(m, "spec_sequence_masks", None) is not None:
+        return "speculative decode batch"
+    if m.num_prefills > 0:
+        return "prefill or mixed prefill/decode batch"
+    if m.num_decodes <= 0:
+        return "no decode rows"
+    if m.non_spec_state_indices_tensor is None:
+        return "no non_spec_state_indices_tensor"
+    reason = layer._flydsl_static_reason
+    if reason is not None:
+        return reason
+
+    T = int(m.num_actual_tokens)
+    if T < 1 or T > int(mixed_qkv.shape[0]) or T > int(core_attn_out.shape[1]):
+        return f"num_actual_tokens={T} outside the layer's {int(mixed_qkv.shape[0])} token rows"
+    conv_state, state = layer.kv_cache[0], layer.kv_cache[1]
+    if not is_conv_state_dim_first():
+        conv_state = conv_state.transpose(-1, -2)
+    w = layer.conv1d.weight
+    H, D = int(core_attn_out.shape[2]), int(core_attn_out.shape[3])
+    indices = map_state_indices(m.non_spec_state_indices_tensor, T, getattr(layer, "_flydsl_rows_hint", 0))
+    kw = dict(
+        x=mixed_qkv[:T], conv_weight=w.view(int(w.shape[0]), int(w.shape[2])), conv_bias=layer.conv1d.bias,
+        conv_state=conv_state, a=g1[0, :T].reshape(T, H * D), b=beta[:, :T], A_log=layer.A_log,
+        dt_bias=layer.dt_bias, state=state, state_indices=indices, output_gate=g2[:T],
+        norm_weight=layer.o_norm.weight, lower_bound=layer.gate_lower_bound, norm_eps=float(layer.o_norm.eps),
+        scale=None, out=core_attn_out[0, :T],
+    )
+    ok, why = _covers(kw, backend)
+    if not ok:
+        return f"flydsl-backends does not cover this call ({why})"
+    from .api import kda_decode
+
+    kda_decode(**kw, backend=backend)
+    if T < int(core_attn_out.shape[1]):
+        core_attn_out[:, T:].zero_()
+    return None
+
+
+# --- layer classes ---------------------------------------------------------------------------------
+
+def _rows_hint(vllm_config) -> int:
+    try:
+        hint = int(vllm_config.scheduler_config.max_num_seqs)
+        cap = vllm_config.compilation_config.max_cudagraph_capture_size
+        return max(hint, int(cap or 0))
+    except Exception:  # a partial config (unit tests): size the buffer on first use
+        return 0
+
+
+def _make_subclass(base: type, name: str) -> type:
+    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
+    from vllm.config import get_current_vllm_config
+
+    def __init__(self, config, vllm_config, prefix: str = "", *args, **kwargs):
+        base.__init__(self, config, vllm_config, prefix, *args, **kwargs)
+        current = get_current_vllm_config()
+        self._flydsl_kda = flydsl_kda_enabled(current)
+        self._flydsl_rows_hint = _rows_hint(current)
+        self._flydsl_static_reason = _static_reason(self)
+        if not self._flydsl_kda:
+            _log_once((name, "off"), logging.INFO, "KDA decode (%s): vLLM's path (additional_config %r not set)",
+                      base.__name__, CONFIG_KEY)
+        elif self._flydsl_static_reason is not None:
+            _log_once((name, "static"), logging.WARNING, "KDA decode (%s): vLLM's path (%s)", base.__name__,
+                      self._flydsl_static_reason)
+        else:
+            _log_once((name, "on"), logging.INFO, "KDA decode (%s): flydsl-backends kda_decode for pure decode "
+                      "batches (implementation chosen per call: FLYDSL_BACKENDS_KDA or auto); prefill, mixed and "
+                      "speculative batches: vLLM's path", base.__name__)
+
+    @eager_break_during_capture
+    def _forward(self, mixed_qkv: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor, beta: torch.Tensor,
+                 core_attn_out: torch.Tensor) -> None:
+        if self._flydsl_kda:
+            reason = decode_on_flydsl(self, mixed_qkv, g1, g2, beta, core_attn_out)
+            if reason is None:
+                _log_once((name, "ran"), logging.INFO, "KDA decode (%s): flydsl-backends kda_decode ran", base.__name__)
+                return None
+            _log_once((name, reason), logging.INFO, "KDA decode (%s) batch: vLLM's path (%s)", base.__name__, reason)
+        return base._forward(self, mixed_qkv=mixed_qkv, g1=g1, g2=g2, beta=beta, core_attn_out=core_attn_out)
+
+    # vLLM's _forward is the decorated wrapper; base._forward above goes through it (its wrapper
+    # runs the function directly when no breakable capture is recording, as inside ours).
+    cls = type(name, (base,), {"__init__": __init__, "_forward": _forward, "__module__": __name__,
+                               "__doc__": f"{base.__name__} whose pure decode batches run kda_backend.kda_decode "
+                                          f"when additional_config {{{CONFIG_KEY!r}: true}} (see kda_backend.vllm)."})
+    cls.__qualname__ = name
+    return cls
+
+
+@functools.lru_cache(maxsize=None)
+def kimi_linear_layer_class() -> type:
+    """Our subclass of vLLM's ``KimiGatedDeltaNetAttention`` (built on first call)."""
+    import importlib
+
+    base = getattr(importlib.import_module(KIMI_LINEAR_MODULE), KIMI_LINEAR_LAYER)
+    return _make_subclass(base, "FlyDSLKimiGatedDeltaNetAttention")
+
+
+@functools.lru_cache(maxsize=None)
+def kimi_k3_layer_class() -> type:
+    """Our subclass of ROCm's ``KimiK3DeltaAttention`` (raises ImportError without ROCm + aiter)."""
+    import importlib
+
+    base = getattr(importlib.import_module(KIMI_K3_MODULE), KIMI_K3_LAYER)
+    return _make_subclass(base, "FlyDSLKimiK3DeltaAttention")
+
+
+def _register(name: str, build) -> bool:
+    from vllm.model_executor.custom_op import PluggableLayer, op_registry_oot
+
+    cls = build()
+    have = op_registry_oot.get(name)
+    if have is cls:
+        return True
+    if have is not None:
+        log.warning("KDA layer hook: %s is already replaced by %s; flydsl-backends leaves it", name,
+                    f"{have.__module__}.{have.__qualname__}")
+        return False
+    PluggableLayer.register_oot(name=name)(cls)
+    _registered[name] = cls
+    return True
+
+
+def register_layer_hooks() -> bool:
+    """Register the KDA layer subclasses with vLLM (idempotent; called by the vLLM plugin).
+
+    Returns whether the Kimi-Linear hook is in place. The Kimi-K3 hook is added only on ROCm when
+    ``vllm.models.kimi_k3.amd.kda`` imports; otherwise it is skipped with a debug log.
+    """
+    with _lock:
+        ok = _register(KIMI_LINEAR_LAYER, kimi_linear_layer_class)
+        try:
+            from vllm.platforms import current_platform
+
+            if not current_platform.is_rocm():
+                raise ImportError("not a ROCm platform (NVIDIA's KimiK3DeltaAttention shares the name)")
+            _register(KIMI_K3_LAYER, kimi_k3_layer_class)
+        except Exception as exc:  # ImportError without aiter, or anything its import chain raises
+            log.debug("KDA layer hook: Kimi-K3 (%s) not registered: %s: %s", KIMI_K3_MODULE, type(exc).__name__, exc)
+        return ok
