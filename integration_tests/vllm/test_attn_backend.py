@@ -1,0 +1,236 @@
+"""FlyDSLAttentionBackend / MetadataBuilder / Impl on real vLLM 0.33.0 objects: the backend's spec and
+caches allocated by vLLM's ``allocate_kv_cache`` (LBHNC, LHBNC, a padded hybrid-style page), real
+``CommonAttentionMetadata`` with a random block permutation (block 0 = null block), the builder's
+decode / spec-decode / prefill / mixed decisions, ``build_for_cudagraph_capture`` and padded batches,
+``do_kv_cache_update`` + ``forward`` against SDPA over the dequantized K/V. CPU: the ops run on the
+reference (``pa_impl="torch"``); the GPU test at the end runs the Triton kernels under a CUDA graph.
+
+Run: VLLM_TARGET_DEVICE=cpu /work/venv-vllm/bin/python -m pytest -q integration_tests/vllm
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from integration_tests.vllm import attn_harness as H  # noqa: E402
+
+import pa_backend.vllm as pav  # noqa: E402
+
+ATOL, RTOL = 2e-2, 2e-2
+LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return H.tiny_llama_dir(tmp_path_factory.mktemp("llama"))
+
+
+def _builder(model_dir, spec, full_graphs=False):
+    from vllm.config import set_current_vllm_config
+
+    vc = H.vllm_config(model_dir, block_size=spec.block_size, full_graphs=full_graphs)
+    with set_current_vllm_config(vc):
+        return pav.FlyDSLAttentionMetadataBuilder(spec, LAYERS, vc, torch.device("cpu")), vc
+
+
+def test_spec_and_cache_views_follow_the_tensor():
+    spec = H.backend_spec(block_size=16)
+    assert (spec.num_head_slots, spec.state_content_bytes) == (2, H.HKV * H.D)
+    assert spec.page_size_bytes == 2 * 16 * H.HKV * H.D
+    for layout in ("LBHNC", "LHBNC"):
+        caches = H.allocate(spec, 6, LAYERS, layout)
+        kv = caches[LAYERS[1]]
+        assert tuple(kv.shape) == (6, 2, 16, H.HKV * H.D) and kv.dtype == torch.uint8
+        kc, vc = pav.kv_cache_views(kv, H.HKV, H.D, H.FP8)
+        assert tuple(kc.shape) == (6, H.HKV, H.D // 16, 16, 16) and tuple(vc.shape) == (6, H.HKV, 1, H.D, 16)
+        assert kc.stride(0) == kv.stride(0) and vc.stride(0) == kv.stride(0)
+        # block 3's K page is the bytes of kv[3, 0], its V page those of kv[3, 1]
+        kv[3].view(torch.uint8).copy_(torch.arange(kv[3].numel(), dtype=torch.int64).remainder(251)
+                                      .to(torch.uint8).view(kv[3].shape))
+        assert torch.equal(kc[3].view(torch.uint8).flatten(), kv[3, 0].view(torch.uint8).flatten())
+        assert torch.equal(vc[3].view(torch.uint8).flatten(), kv[3, 1].view(torch.uint8).flatten())
+    # a page padded to a larger size (hybrid models): the block stride grows, the views follow it
+    padded = H.backend_spec(block_size=16, page_size_padded=spec.page_size_bytes + 4096)
+    kv = H.allocate(padded, 4, LAYERS[:1], "LBHNC")[LAYERS[0]]
+    kc, vc = pav.kv_cache_views(kv, H.HKV, H.D, H.FP8)
+    assert kc.stride(0) == kv.stride(0) == padded.page_size_bytes
+
+
+def test_token_major_layout_rejected_with_the_fix():
+    spec = H.backend_spec(block_size=16)
+    kv = H.allocate(spec, 4, LAYERS[:1], "LBNHC")[LAYERS[0]]
+    with pytest.raises(ValueError, match="VLLM_KV_CACHE_LAYOUT=LBHNC"):
+        pav.kv_cache_views(kv, H.HKV, H.D, H.FP8)
+    assert pav.FlyDSLAttentionBackend.supported_kv_cache_layouts()[0].name == "LBHNC"
+
+
+@pytest.mark.parametrize("name, prefix, query, expect_ql", [
+    ("decode", (14, 33, 0, 47), (1, 1, 1, 1), 1),
+    ("spec_decode", (14, 33, 5, 47), (3, 3, 3, 3), 3),
+    ("prefill", (0, 0, 0), (15, 8, 20), 0),
+    ("mixed", (20, 5, 0, 70), (1, 1, 7, 1), 0),
+    ("chunked", (32, 0), (16, 16), 0),
+])
+def test_builder_and_forward_match_sdpa(model_dir, name, prefix, query, expect_ql, monkeypatch):
+    bs = 16
+    unused = "pa_prefill" if expect_ql else "pa_decode"  # the routing: the other op must not run
+
+    def _wrong_op(*a, **k):
+        raise AssertionError(f"{unused} ran for a {name} batch")
+
+    monkeypatch.setattr(pav, unused, _wrong_op)
+    spec = H.backend_spec(block_size=bs)
+    builder, _ = _builder(model_dir, spec)
+    b = H.Batch(prefix_lens=prefix, query_lens=query, block_size=bs, num_blocks=40, seed=hash(name) % 97)
+    rows = H.block_rows(b, max_blocks=8)
+    cam = H.common_metadata(b, rows)
+    md = builder.build(0, cam)
+    assert md.query_length == expect_ql
+    g = torch.Generator().manual_seed(7)
+    k_all, v_all = H.random_kv(b, g)
+    ks, vs = 0.5, 0.25
+    impl, layer = H.make_impl(), H.layer_with_scales(ks, vs)
+    caches = H.allocate(spec, b.num_blocks, LAYERS, "LBHNC")
+    kv = caches[LAYERS[0]]
+    other = caches[LAYERS[1]].view(torch.uint8).clone()
+    H.write_prefix(impl, layer, kv, b, rows, k_all, v_all)
+    k_new, v_new = H.new_tokens(b, k_all, v_all)
+    impl.do_kv_cache_update(layer, k_new, v_new, kv, cam.slot_mapping)
+    T = cam.num_actual_tokens
+    q = torch.randn(T, H.HQ, H.D, generator=g).bfloat16()
+    out = torch.full((T, H.HQ, H.D), float("nan"), dtype=torch.bfloat16)
+    impl.forward(layer, q, k_new, v_new, kv, md, out)
+    want = H.sdpa_reference(q, k_all, v_all, b, H.D ** -0.5, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(out.float(), want, atol=ATOL, rtol=RTOL)
+    # only live slots were written: the rest (block 0 included) still holds the sentinel; layer 1 untouched
+    sb = H.slot_bytes(kv, bs)
+    dead = torch.ones(sb.shape[0], dtype=torch.bool)
+    dead[H.live_slots(b, rows)] = False
+    assert bool((sb[dead] == H.SENTINEL_BYTE).all())
+    assert torch.equal(caches[LAYERS[1]].view(torch.uint8), other)
+
+
+def test_sliding_window_and_sinks_match_sdpa(model_dir):
+    bs = 16
+    spec = H.backend_spec(block_size=bs)
+    builder, _ = _builder(model_dir, spec)
+    g = torch.Generator().manual_seed(3)
+    sinks = torch.randn(H.HQ, generator=g)
+    for prefix, query in (((40, 9, 70), (1, 1, 1)), ((30, 0), (5, 12))):
+        b = H.Batch(prefix_lens=prefix, query_lens=query, block_size=bs, num_blocks=24, seed=len(prefix))
+        rows = H.block_rows(b, max_blocks=6)
+        cam = H.common_metadata(b, rows)
+        md = builder.build(0, cam)
+        k_all, v_all = H.random_kv(b, g)
+        impl, layer = H.make_impl(sliding_window=8, sinks=sinks.bfloat16()), H.layer_with_scales()
+        impl.process_weights_after_loading(torch.bfloat16)
+        kv = H.allocate(spec, b.num_blocks, LAYERS[:1], "LHBNC")[LAYERS[0]]
+        H.write_prefix(impl, layer, kv, b, rows, k_all, v_all)
+        k_new, v_new = H.new_tokens(b, k_all, v_all)
+        impl.do_kv_cache_update(layer, k_new, v_new, kv, cam.slot_mapping)
+        q = torch.randn(cam.num_actual_tokens, H.HQ, H.D, generator=g).bfloat16()
+        out = torch.empty_like(q)
+        impl.forward(layer, q, k_new, v_new, kv, md, out)
+        want = H.sdpa_reference(q, k_all, v_all, b, H.D ** -0.5, sliding_window=8,
+                                sinks=sinks.bfloat16().float())
+        torch.testing.assert_close(out.float(), want, atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("ql", [1, 2])
+def test_cudagraph_capture_metadata_and_padded_batch(model_dir, ql):
+    """What the FULL-graph runner does: capture metadata on a uniform batch (seq_lens forced to 1), then a
+    padded step (requests with query 0, seq_len 0, null block 0, slots -1): live rows right, padded rows
+    finite and harmless, only live slots written."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    bs = 16
+    spec = H.backend_spec(block_size=bs)
+    builder, vc = _builder(model_dir, spec, full_graphs=True)
+    assert builder.get_cudagraph_support(vc, spec) == AttentionCGSupport.UNIFORM_BATCH
+    cap = H.Batch(prefix_lens=(0,) * 4, query_lens=(ql,) * 4, block_size=bs, num_blocks=30, seed=1)
+    cam = H.common_metadata(cap, H.block_rows(cap, 6))
+    md = builder.build_for_cudagraph_capture(cam)
+    assert md.query_length == ql and md.seq_lens.tolist() == [1] * 4
+    assert md.seq_lens.data_ptr() == cam.seq_lens.data_ptr()  # the runner's persistent buffer, filled in place
+    assert md.block_table.data_ptr() == cam.block_table_tensor.data_ptr()
+
+    live = H.Batch(prefix_lens=(20, 37), query_lens=(ql, ql), block_size=bs, num_blocks=30, seed=2, pad_reqs=2)
+    rows = H.block_rows(live, 6)
+    cam = H.common_metadata(live, rows)
+    md = builder.build(0, cam)
+    assert md.query_length == ql and md.num_reqs == 4 and md.num_actual_tokens == 4 * ql
+    g = torch.Generator().manual_seed(5)
+    k_all, v_all = H.random_kv(live, g)
+    impl, layer = H.make_impl(), H.layer_with_scales(0.5, 0.5)
+    kv = H.allocate(spec, live.num_blocks, LAYERS[:1])[LAYERS[0]]
+    H.write_prefix(impl, layer, kv, live, rows, k_all, v_all)
+    k_new, v_new = H.new_tokens(live, k_all, v_all)
+    pad = torch.randn(2 * ql, H.HKV, H.D, generator=g).bfloat16()
+    impl.do_kv_cache_update(layer, torch.cat([k_new, pad]), torch.cat([v_new, pad]), kv, cam.slot_mapping)
+    q = torch.randn(4 * ql, H.HQ, H.D, generator=g).bfloat16()
+    out = torch.full((4 * ql, H.HQ, H.D), float("nan"), dtype=torch.bfloat16)
+    impl.forward(layer, q, torch.cat([k_new, pad]), torch.cat([v_new, pad]), kv, md, out)
+    want = H.sdpa_reference(q, k_all, v_all, live, H.D ** -0.5, k_scale=0.5, v_scale=0.5)
+    torch.testing.assert_close(out[:2 * ql].float(), want, atol=ATOL, rtol=RTOL)
+    assert bool(torch.isfinite(out.float()).all())
+    sb = H.slot_bytes(kv, bs)
+    dead = torch.ones(sb.shape[0], dtype=torch.bool)
+    dead[H.live_slots(live, rows)] = False
+    assert bool((sb[dead] == H.SENTINEL_BYTE).all())  # block 0 and every other unassigned slot untouched
+
+
+def test_graph_support_drops_for_long_speculation(model_dir):
+    from types import SimpleNamespace
+
+    from vllm.v1.attention.backend import AttentionCGSupport
+
+    spec = H.backend_spec()
+    _, vc = _builder(model_dir, spec)
+    vc2 = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=4))
+    cls = pav.FlyDSLAttentionMetadataBuilder
+    assert cls.get_cudagraph_support(vc2, spec) == AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+    vc3 = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=3))
+    assert cls.get_cudagraph_support(vc3, spec) == AttentionCGSupport.UNIFORM_BATCH
+    builder, _ = _builder(model_dir, spec, full_graphs=True)
+    mixed = H.Batch(prefix_lens=(5, 0), query_lens=(1, 4), block_size=16, num_blocks=10)
+    with pytest.raises(NotImplementedError, match="uniform"):
+        builder.build_for_cudagraph_capture(H.common_metadata(mixed, H.block_rows(mixed, 2)))
+
+
+def test_profiling_run_and_unsupported_impl_args():
+    impl = H.make_impl()
+    out = torch.full((3, H.HQ, H.D), float("nan"), dtype=torch.bfloat16)
+    impl.forward(H.layer_with_scales(), out, None, None, torch.empty(0), None, out)
+    assert bool((out == 0).all())
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8"):
+        pav.FlyDSLAttentionImpl(H.HQ, H.D, 0.125, H.HKV, None, None, "auto")
+    with pytest.raises(ValueError, match="GQA"):
+        pav.FlyDSLAttentionImpl(34, H.D, 0.125, 2, None, None, "fp8")
+    with pytest.raises(ValueError, match="ALiBi"):
+        pav.FlyDSLAttentionImpl(H.HQ, H.D, 0.125, H.HKV, [0.1] * H.HQ, None, "fp8")
+    with pytest.raises(ValueError, match="decoder"):
+        pav.FlyDSLAttentionImpl(H.HQ, H.D, 0.125, H.HKV, None, None, "fp8", None, "encoder")
+    with pytest.raises(ValueError, match="kv_cache"):
+        pav.kv_cache_views(torch.zeros(4, 3, 16, 128, dtype=torch.uint8), H.HKV, H.D, H.FP8)
+
+
+def test_uniform_query_length_rules():
+    t = lambda xs: torch.tensor(xs, dtype=torch.int32)  # noqa: E731
+    assert pav.uniform_query_length(t([0, 1, 2, 3]), 3, 3, 1) == 1
+    assert pav.uniform_query_length(t([0, 1, 2, 3, 3]), 4, 4, 1) == 1  # one padded request
+    assert pav.uniform_query_length(t([0, 2, 4, 4, 4]), 4, 8, 2) == 2
+    assert pav.uniform_query_length(t([0, 1, 3]), 2, 3, 2) == 0  # ragged
+    assert pav.uniform_query_length(t([0, 5, 10]), 2, 10, 5) == 0  # past pa_decode's query_length limit
+    assert pav.uniform_query_length(t([0, 0, 1]), 2, 2, 1) == 0  # a zero-length request before a live one
+
+
+def test_import_does_not_pull_vllm():
+    import subprocess
+    import sys
+
+    code = ("import sys; import pa_backend.vllm; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'triton', 'flydsl')]; assert not bad, bad[:5]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
