@@ -8,8 +8,8 @@ calls :func:`register_layer_hooks`, which registers, through
 * ``vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn.KimiGatedDeltaNetAttention``
   (Kimi-Linear, every platform) under the name ``"KimiGatedDeltaNetAttention"``, and
 * ``vllm.models.kimi_k3.amd.kda.KimiK3DeltaAttention`` (Kimi-K3 on ROCm) under
-  ``"KimiK3DeltaAttention"``, only on ROCm and only when that module imports (it needs aiter);
-  otherwise it is skipped with a debug log. (NVIDIA's K3 layer, ``vllm.models.kimi_k3.nvidia.kda``,
+  ``"KimiK3DeltaAttention"``, only on ROCm and only when that module imports; otherwise it is
+  skipped with a debug log. (NVIDIA's K3 layer, ``vllm.models.kimi_k3.nvidia.kda``,
   has the same class name: registering the AMD subclass under that name on NVIDIA would replace
   NVIDIA's layer with the AMD one, hence the ROCm check.)
 
@@ -64,7 +64,12 @@ Kimi-K3 (ROCm): ``KimiK3DeltaAttention.forward`` applies ``f_b_proj`` before ``_
 uses :func:`kda_backend.kda_decode` with the same mapping rather than ``kda_decode_with_f_b`` (which
 needs ``f_a``; fusing f_b would mean overriding ``forward`` too). Our path is tried before vLLM's
 AITER/HIP fused decode; everything else (prefill, spec decode, uncovered shapes) is K3's own
-``_forward``. This K3 subclass is untested here (its module does not import without ROCm + aiter).
+``_forward``. Tested on CPU only: the real ``KimiK3DeltaAttention`` constructed (its module imports
+without aiter once ``vllm.platforms.rocm`` has been imported with a gfx942 device-properties
+stand-in), its ``KimiK3ROCmKDAMetadataBuilder`` for the decode batch, ``is_rocm`` faked for the
+registration; no ROCm machine has run it.
+
+The plugin calls :func:`register_layer_hooks` (before the model is built).
 """
 
 from __future__ import annotations

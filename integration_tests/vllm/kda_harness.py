@@ -7,7 +7,8 @@ Built for real: ``ModelConfig`` (a tiny Llama directory: only ``dtype`` matters 
 (``get_kv_cache_spec``), the page buffer bound with ``MambaBase.bind_kv_cache`` (page-strided conv /
 recurrent views, pages padded past the state bytes), ``GDNAttentionMetadataBuilder.build`` on a
 ``CommonAttentionMetadata`` (padded decode batch with null block 0 rows, or a mixed batch), and
-``set_forward_context``.
+``set_forward_context``. For Kimi-K3 (``k3=True``): ROCm's real ``KimiK3DeltaAttention`` and its
+``KimiK3ROCmKDAMetadataBuilder`` (decode batches only; its prefill chunk metadata is a Triton kernel).
 
 Not real: vLLM's Triton kernels (``causal_conv1d_update``, ``fused_recurrent_kda_packed_decode``,
 the prefill kernels) do not run on CPU (vLLM disables Triton there), so vLLM's own ``_forward`` is
@@ -91,25 +92,33 @@ def ensure_distributed(vc) -> None:
     _dist_ready = True
 
 
-def kimi_linear_config(H: int = H_DEFAULT, D: int = D_DEFAULT, W: int = W_DEFAULT, lower_bound: Optional[float] = None):
+def kimi_linear_config(H: int = H_DEFAULT, D: int = D_DEFAULT, W: int = W_DEFAULT, lower_bound: Optional[float] = None,
+                       k3: bool = False):
     from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 
     lac = {"kda_layers": [1], "full_attn_layers": [2], "head_dim": D, "num_heads": H, "short_conv_kernel_size": W}
+    if k3:
+        lac["use_full_rank_gate"] = True
     if lower_bound is not None:
         lac["gate_lower_bound"] = lower_bound
     return KimiLinearConfig(hidden_size=64, num_attention_heads=2, num_hidden_layers=2, linear_attn_config=lac)
 
 
 def build_layer(vc, *, H: int = H_DEFAULT, D: int = D_DEFAULT, W: int = W_DEFAULT, lower_bound: Optional[float] = None,
-                prefix: str = PREFIX, device="cpu", seed: int = 0):
-    """``KimiGatedDeltaNetAttention(config, vc, prefix)`` under ``set_current_vllm_config(vc)`` (what
-    vLLM's model init does), with random parameters of the checkpoint's dtypes."""
+                prefix: str = PREFIX, device="cpu", seed: int = 0, k3: bool = False):
+    """``KimiGatedDeltaNetAttention(config, vc, prefix)`` (or, ``k3``, ROCm's ``KimiK3DeltaAttention``
+    with a full-rank gate config) under ``set_current_vllm_config(vc)`` (what vLLM's model init
+    does), with random parameters of the checkpoint's dtypes."""
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention
+
+    if k3:
+        from vllm.models.kimi_k3.amd.kda import KimiK3DeltaAttention as layer_cls
+    else:
+        from vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn import KimiGatedDeltaNetAttention as layer_cls
 
     ensure_distributed(vc)
     with set_current_vllm_config(vc), torch.device(device):
-        layer = KimiGatedDeltaNetAttention(kimi_linear_config(H, D, W, lower_bound), vc, prefix=prefix)
+        layer = layer_cls(kimi_linear_config(H, D, W, lower_bound, k3), vc, prefix=prefix)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         layer.conv1d.weight.copy_(torch.randn(layer.conv1d.weight.shape, generator=g) * 0.5)
@@ -170,11 +179,12 @@ def common_metadata(query_lens: Sequence[int], seq_lens: Sequence[int], blocks: 
 
 
 def metadata_builder(layer, vc, cache: Cache, device="cpu"):
+    """The layer's own metadata builder (``GDNAttentionMetadataBuilder`` for Kimi-Linear,
+    ``KimiK3ROCmKDAMetadataBuilder`` for ROCm K3), as the runner picks it."""
     from vllm.config import set_current_vllm_config
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 
     with set_current_vllm_config(vc):
-        return GDNAttentionMetadataBuilder(cache.spec, [layer.prefix], vc, torch.device(device))
+        return layer.get_attn_backend().get_builder_cls()(cache.spec, [layer.prefix], vc, torch.device(device))
 
 
 def decode_metadata(builder, live_blocks: Sequence[int], pad_rows: int, *, device="cpu", context: int = 7):
@@ -202,14 +212,22 @@ class DecodeInputs:
 def decode_inputs(layer, T: int, *, device="cpu", seed: int = 2, dtype=torch.bfloat16) -> DecodeInputs:
     """What ``KimiGatedDeltaNetAttention.forward`` hands ``_forward``: views of one projected
     buffer ``[q|k|v P*3 | beta H | f_a D]`` (row stride > row size), the projected gate, the output
-    gate and a fresh ``core_attn_out`` (NaN: it must be fully written)."""
+    gate and a fresh ``core_attn_out`` (NaN: it must be fully written). For a full-rank-gate (K3)
+    layer the buffer is ``[q|k|v P*3 | g P | f_a D | beta H | pad]`` and the output gate is a
+    row-strided view of it, like ``KimiK3DeltaAttention.forward``."""
     H, D = layer.local_num_heads, layer.head_dim
     P = H * D
     g = torch.Generator().manual_seed(seed)
-    proj = torch.randn(T, 3 * P + H + D, generator=g).to(dtype).to(device)
-    mixed_qkv, beta, _f_a = proj.split([3 * P, H, D], dim=-1)
+    if getattr(layer, "use_full_rank_gate", False):
+        pad = -(4 * P + D + H) % 16
+        proj = torch.randn(T, 4 * P + D + H + pad, generator=g).to(dtype).to(device)
+        mixed_qkv, g_proj, _f_a, beta = proj.split([3 * P, P, D, H, pad], dim=-1)[:4]
+        g2 = g_proj.view(T, H, D)
+    else:
+        proj = torch.randn(T, 3 * P + H + D, generator=g).to(dtype).to(device)
+        mixed_qkv, beta, _f_a = proj.split([3 * P, H, D], dim=-1)
+        g2 = torch.randn(T, H, D, generator=g).to(dtype).to(device)
     g1 = torch.randn(1, T, H, D, generator=g).to(dtype).to(device)
-    g2 = torch.randn(T, H, D, generator=g).to(dtype).to(device)
     out = torch.full((1, T, H, D), float("nan"), dtype=dtype, device=device)
     return DecodeInputs(mixed_qkv=mixed_qkv, g1=g1, g2=g2, beta=beta.unsqueeze(0), core_attn_out=out)
 

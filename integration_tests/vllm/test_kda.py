@@ -220,6 +220,70 @@ def test_core_attn_out_rows_past_num_actual_tokens_zeroed(hooked):
     assert torch.equal(inp.core_attn_out[0, 4:], torch.zeros_like(inp.core_attn_out[0, 4:]))
 
 
+@pytest.fixture
+def k3_hooked(monkeypatch):
+    """Kimi-K3's ROCm layer registered as on ROCm. Its module imports on CPU once
+    ``vllm.platforms.rocm`` is imported with a gfx942 device-properties stand-in (that module reads
+    the arch at import); ``current_platform.is_rocm`` is faked only around ``register_layer_hooks``."""
+    from types import SimpleNamespace
+
+    from vllm.platforms import current_platform
+
+    with monkeypatch.context() as mp:
+        mp.setattr(torch.cuda, "get_device_properties", lambda *a, **k: SimpleNamespace(gcnArchName="gfx942:sramecc+"))
+        try:
+            import vllm.models.kimi_k3.amd.kda  # noqa: F401
+            import vllm.platforms.rocm  # noqa: F401  (K3's __init__ imports it: the arch is read then)
+        except Exception as exc:  # pragma: no cover - depends on the environment
+            pytest.skip(f"vllm.models.kimi_k3.amd.kda does not import here ({type(exc).__name__}: {exc})")
+    for name in (kv.KIMI_LINEAR_LAYER, kv.KIMI_K3_LAYER):
+        monkeypatch.delitem(op_registry_oot, name, raising=False)
+    with monkeypatch.context() as mp:
+        mp.setattr(current_platform, "is_rocm", lambda: True)
+        assert kv.register_layer_hooks() is True
+        assert kv.register_layer_hooks() is True
+    assert op_registry_oot[kv.KIMI_K3_LAYER] is kv.kimi_k3_layer_class()
+    yield
+    for name in (kv.KIMI_LINEAR_LAYER, kv.KIMI_K3_LAYER):
+        op_registry_oot.pop(name, None)
+
+
+def test_k3_padded_decode_matches_reference(k3_hooked, monkeypatch, op_calls):
+    from vllm.models.kimi_k3.amd.kda import KimiK3DeltaAttention
+
+    k3_calls = []
+    monkeypatch.setattr(KimiK3DeltaAttention, "_forward", lambda self, **kw: k3_calls.append(kw))
+    vc = KH.make_vllm_config({"flydsl_kda": True}, full_cudagraph=True)
+    layer = KH.build_layer(vc, lower_bound=-5.0, k3=True, prefix="model.layers.20.self_attn")
+    assert type(layer) is kv.kimi_k3_layer_class() and isinstance(layer, KimiK3DeltaAttention)
+    cache = KH.bind_cache(layer, vc, num_blocks=NUM_BLOCKS, live_blocks=LIVE)
+    builder = KH.metadata_builder(layer, vc, cache)
+    assert type(builder).__name__ == "KimiK3ROCmKDAMetadataBuilder"
+    m = KH.decode_metadata(builder, LIVE, 1)
+    inp = KH.decode_inputs(layer, 4)
+    assert inp.g2.stride(0) > inp.g2.shape[1] * inp.g2.shape[2]  # row-strided output gate, as in K3's forward
+    pages0, conv0, state0 = cache.pages.clone(), cache.conv_state.clone(), cache.state.clone()
+    expected, new = KH.expected_decode(layer, inp, conv0, state0, LIVE + [0])
+    _run(vc, layer, m, inp)
+    assert k3_calls == [] and len(op_calls) == 1
+    torch.testing.assert_close(inp.core_attn_out[0].double(), expected, atol=ATOL, rtol=RTOL)
+    for blk in range(NUM_BLOCKS):
+        if blk in new:
+            torch.testing.assert_close(cache.state[blk].double(), new[blk][1], atol=1e-5, rtol=1e-5)
+        else:
+            assert torch.equal(cache.state[blk], state0[blk]) and torch.equal(cache.conv_state[blk], conv0[blk])
+    # a mixed batch goes to K3's own _forward (built by the shared GDN builder: K3's builds its prefill
+    # chunk metadata with a Triton kernel, which cannot run on CPU)
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    with set_current_vllm_config(vc):
+        gdn = GDNAttentionMetadataBuilder(cache.spec, [layer.prefix], vc, torch.device("cpu"))
+    mixed = gdn.build(0, KH.common_metadata([1, 3], [8, 3], [5, 9], is_prefilling=[False, True]))
+    _run(vc, layer, mixed, KH.decode_inputs(layer, 4))
+    assert len(k3_calls) == 1 and len(op_calls) == 1
+
+
 # --- vLLM's path ----------------------------------------------------------------------------------
 
 def _caches_unchanged(cache, pages0):
