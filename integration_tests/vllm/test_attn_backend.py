@@ -234,3 +234,84 @@ def test_import_does_not_pull_vllm():
     code = ("import sys; import pa_backend.vllm; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'triton', 'flydsl')]; assert not bad, bad[:5]")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: real CUDA-graph capture of do_kv_cache_update + forward (Triton ops), padded replays == eager
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("ql", [1, 3], ids=["decode", "spec_decode3"])
+def test_cuda_graph_replays_equal_eager_gpu(model_dir, ql):
+    from vllm.config import set_current_vllm_config
+
+    dev, bs, max_reqs = "cuda", 16, 4
+    spec = H.backend_spec(block_size=bs)
+    vc = H.vllm_config(model_dir, block_size=bs, full_graphs=True)
+    with set_current_vllm_config(vc):
+        builder = pav.FlyDSLAttentionMetadataBuilder(spec, LAYERS, vc, torch.device(dev))
+    caches = H.allocate(spec, 40, LAYERS, "LBHNC", device=dev)
+    impl, layer = H.make_impl(pa_impl="triton"), H.layer_with_scales(0.5, 0.5, device=dev)
+    g = torch.Generator().manual_seed(9)
+    prefix = (20, 37, 5)
+    steps = 3
+    full = H.Batch(prefix_lens=prefix, query_lens=(ql * steps,) * 3, block_size=bs, num_blocks=40, seed=4)
+    rows = H.block_rows(full, 8)
+    k_all, v_all = H.random_kv(full, g)
+    for kv in caches.values():
+        H.write_prefix(impl, layer, kv, H.Batch(prefix, (0,) * 3, bs, 40), rows, k_all, v_all, device=dev)
+
+    # the runner's persistent buffers (capture: uniform batch, seq_lens 1)
+    T = max_reqs * ql
+    cap = H.common_metadata(H.Batch((0,) * max_reqs, (ql,) * max_reqs, bs, 40), [[0] * 8] * max_reqs, device=dev)
+    q_s = torch.zeros(T, H.HQ, H.D, dtype=torch.bfloat16, device=dev)
+    k_s = torch.zeros(T, H.HKV, H.D, dtype=torch.bfloat16, device=dev)
+    v_s = torch.zeros_like(k_s)
+    outs = [torch.zeros(T, H.HQ, H.D, dtype=torch.bfloat16, device=dev) for _ in LAYERS]
+    md = builder.build_for_cudagraph_capture(cap)
+    cap.slot_mapping.fill_(-1)
+
+    def body():
+        for name, o in zip(LAYERS, outs):
+            impl.do_kv_cache_update(layer, k_s, v_s, caches[name], cap.slot_mapping)
+            impl.forward(layer, q_s, k_s, v_s, caches[name], md, o)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    torch.cuda.synchronize()
+
+    for step in range(steps):
+        n_live = 3  # every request advances each step (the reference reads all its tokens); 1 padded request
+        b = H.Batch(prefix_lens=tuple(p + step * ql for p in prefix[:n_live]), query_lens=(ql,) * n_live,
+                    block_size=bs, num_blocks=40, pad_reqs=max_reqs - n_live)
+        live_rows = rows[:n_live]
+        step_cam = H.common_metadata(b, live_rows, device=dev)
+        for dst, src in ((cap.query_start_loc, step_cam.query_start_loc), (cap.seq_lens, step_cam.seq_lens),
+                         (cap.block_table_tensor, step_cam.block_table_tensor),
+                         (cap.slot_mapping, step_cam.slot_mapping)):
+            dst.copy_(src)
+        cap.query_start_loc_cpu.copy_(step_cam.query_start_loc_cpu)
+        md2 = builder.build(0, cap)  # what the runner does every step: same buffers, same decision
+        assert md2.query_length == ql and md2.seq_lens.data_ptr() == md.seq_lens.data_ptr()
+        q = torch.randn(T, H.HQ, H.D, generator=g).bfloat16()
+        knew, vnew = H.new_tokens(b, [k_all[r] for r in range(n_live)], [v_all[r] for r in range(n_live)])
+        pad = torch.zeros((T - knew.shape[0], H.HKV, H.D), dtype=torch.bfloat16)
+        q_s.copy_(q), k_s.copy_(torch.cat([knew, pad])), v_s.copy_(torch.cat([vnew, pad]))
+        graph.replay()
+        torch.cuda.synchronize()
+        got = [o[:n_live * ql].clone() for o in outs]
+        eager = torch.empty_like(outs[0])
+        for name, o in zip(LAYERS, got):
+            impl.do_kv_cache_update(layer, k_s, v_s, caches[name], step_cam.slot_mapping)
+            impl.forward(layer, q_s, k_s, v_s, caches[name], builder.build(0, step_cam), eager)
+            torch.testing.assert_close(o.float(), eager[:n_live * ql].float(), atol=1e-3, rtol=1e-3)
+        want = H.sdpa_reference(q, k_all[:n_live], v_all[:n_live], b, H.D ** -0.5, k_scale=0.5, v_scale=0.5)
+        torch.testing.assert_close(got[0].float().cpu(), want, atol=ATOL, rtol=RTOL)
