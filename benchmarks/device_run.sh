@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call running any of: tests-sglang tests-kda tests-pa verify bench-kda bench-pa sweep-pa
+# One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify bench-kda bench-pa sweep-pa
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
 # Optional wheels (fla-core for the composed KDA baseline) travel in .whl/ and go to /tmp/site.
@@ -12,34 +12,48 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-sglang_env() {
-  # SGLang for integration_tests/sglang: its pure-Python tree (.whl/extra/sglang-*-py.tar.gz, import-time
-  # deps as wheels in .whl/), the sgl_kernel stand-in (its CUDA wheel is not carried; nothing in the tests
-  # calls it) and this checkout's entry point (a dist-info written from pyproject.toml: the code itself
-  # is imported from the checkout, as with an editable install).
-  mkdir -p /tmp/sgl
-  for t in .whl/extra/sglang-*-py.tar.gz; do [ -f "$t" ] && tar xzf "$t" -C /tmp/sgl; done
-  cp -r integration_tests/sglang/device_stubs/sgl_kernel /tmp/sgl/
-  python3 - <<'PY'
-import pathlib, tomllib
+checkout_dist_info() {
+  # this checkout's entry points as a dist-info in $1 (the code itself is imported from the checkout, as
+  # with an editable install)
+  python3 - "$1" <<'PY'
+import pathlib, sys, tomllib
 meta = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]
-d = pathlib.Path("/tmp/sgl") / f"{meta['name'].replace('-', '_')}-{meta['version']}.dist-info"
-d.mkdir(exist_ok=True)
+d = pathlib.Path(sys.argv[1]) / f"{meta['name'].replace('-', '_')}-{meta['version']}.dist-info"
+d.mkdir(parents=True, exist_ok=True)
 (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {meta['name']}\nVersion: {meta['version']}\n")
 eps = "".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in e.items()) + "\n"
               for g, e in meta.get("entry-points", {}).items())
 (d / "entry_points.txt").write_text(eps)
 PY
+}
+sglang_env() {
+  # SGLang for integration_tests/sglang: its pure-Python tree (.whl/extra/sglang-*-py.tar.gz, import-time
+  # deps as wheels in .whl/) and the sgl_kernel stand-in (its CUDA wheel is not carried; nothing in the
+  # tests calls it)
+  mkdir -p /tmp/sgl
+  for t in .whl/extra/sglang-*-py.tar.gz; do [ -f "$t" ] && tar xzf "$t" -C /tmp/sgl; done
+  cp -r integration_tests/sglang/device_stubs/sgl_kernel /tmp/sgl/
+  checkout_dist_info /tmp/sgl
   echo "/tmp/sgl:$PWD/integration_tests/stubs"
 }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+vllm_env() {
+  # vLLM for integration_tests/vllm: its Python tree without the CUDA extensions
+  # (.whl/vllm/vllm-*-py.tar.gz) and its import-time deps the image lacks (.whl/vllm/*.whl)
+  mkdir -p /tmp/vsite
+  ls .whl/vllm/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target /tmp/vsite .whl/vllm/*.whl >&2
+  for t in .whl/vllm/vllm-*-py.tar.gz; do [ -f "$t" ] && tar xzf "$t" -C /tmp/vsite; done
+  checkout_dist_info /tmp/vsite
+  echo "/tmp/vsite"
+}
 rc=0
 for step in $steps; do
   echo "=== $step ($(date -u +%T))"
   case $step in
     tests-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m pytest -q integration_tests/sglang
                        -p no:cacheprovider -rfs) ;;
+    tests-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" VLLM_TARGET_DEVICE=cpu python3 -m pytest -q
+                     integration_tests/vllm -p no:cacheprovider -rfs) ;;
     tests-kda) cmd=(python3 -m pytest -q -m gpu kda_backend -p no:cacheprovider -rf) ;;
     # the PA interpreter tests pick the GPU when there is one: run them all (write_kv, safety cases)
     tests-pa) cmd=(python3 -m pytest -q pa_backend -p no:cacheprovider -rf) ;;
