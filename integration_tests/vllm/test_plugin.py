@@ -66,6 +66,7 @@ def test_cli_selects_the_backend(llama, tmp_path):
                       "--block-size", "64"],
         "custom": ["--model", llama, "--attention-backend", "CUSTOM", *fp8],
         "ac_json": ["--model", llama, "-ac", '{"backend": "FLYDSL"}', *fp8],
+        "gqa_config": ["--model", llama, "--config", str(ROOT / "configs/vllm/llama-3.1-8b-fp8kv.yaml")],
     }
     pkl = tmp_path / "attention_config.pkl"
     out = _run("engine_probe.py", json.dumps([argv + COMMON for argv in cases.values()]), "--pickle", str(pkl))
@@ -77,6 +78,23 @@ def test_cli_selects_the_backend(llama, tmp_path):
     assert (by["flydsl"]["backend"], by["flydsl"]["kv_cache_dtype"], by["flydsl"]["block_size"]) == ("FLYDSL", "fp8", 16)
     assert (by["lowercase"]["backend"], by["lowercase"]["block_size"]) == ("FLYDSL", 64)
     assert by["custom"]["backend"] == "CUSTOM" and by["ac_json"]["backend"] == "FLYDSL"
+    assert (by["gqa_config"]["backend"], by["gqa_config"]["kv_cache_dtype"], by["gqa_config"]["block_size"]) == \
+        ("FLYDSL", "fp8", 16)
+
+
+def test_k3_launch_config_parses_to_the_documented_flags():
+    """The Kimi-K3 config (TP8, MLA on vLLM's backend, the flydsl_kda switch) through vLLM's own --config
+    handling; building its engine config needs the real checkpoint and 8 GPUs, so only the flags are
+    checked here."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", "/path/to/Kimi-K3", "--config",
+                              str(ROOT / "configs/vllm/kimi-k3-tp8-mi355x.yaml")])
+    assert args.tensor_parallel_size == 8 and args.attention_backend is None
+    extra = args.additional_config if isinstance(args.additional_config, dict) else json.loads(args.additional_config)
+    assert extra == {"flydsl_kda": True}
 
 
 def test_without_the_plugin_vllm_rejects_flydsl(llama):
