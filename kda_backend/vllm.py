@@ -145,8 +145,9 @@ class _IndexBuffers:
             size = max(n, hint, 2 * cur[0].numel() if cur is not None else 0, 1)
             if cur is not None:
                 self._old.append(cur)
-            cur = (torch.empty(size, dtype=torch.int32, device=device),
-                   torch.empty(size, dtype=torch.bool, device=device))
+            with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
+                cur = (torch.empty(size, dtype=torch.int32, device=device),
+                       torch.empty(size, dtype=torch.bool, device=device))
             self._bufs[device] = cur
         return cur
 

@@ -38,6 +38,15 @@ def test_map_state_indices_null_block_and_short_tensor():
     assert kv.map_state_indices(idx.long(), 3).tolist() == [5, -1, 9]
 
 
+def test_map_state_indices_buffer_usable_in_and_out_of_inference_mode():
+    """vLLM runs under inference_mode; a buffer first allocated there must stay writable outside."""
+    dev = torch.device("meta")  # a device no other test used: the buffer is allocated here
+    with torch.inference_mode():
+        a = kv.map_state_indices(torch.tensor([3, 0], dtype=torch.int32, device=dev), 2)
+    b = kv.map_state_indices(torch.tensor([4, 0], dtype=torch.int32, device=dev), 2)
+    assert a.data_ptr() == b.data_ptr() and not b.is_inference()
+
+
 def test_map_state_indices_reuses_its_buffer():
     a = kv.map_state_indices(torch.tensor([3, 0], dtype=torch.int32), 2, hint=64)
     b = kv.map_state_indices(torch.tensor([4, 4, 0], dtype=torch.int32), 3)
