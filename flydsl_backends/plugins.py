@@ -171,10 +171,7 @@ def register_vllm() -> None:
     # CUSTOM unpickles by value in spawned workers (a dynamic member does not); the class still reports
     # get_name() == "FLYDSL", which this function has registered in that process too
     register_backend(AttentionBackendEnum.CUSTOM, VLLM_BACKEND_PATH)
-    try:
-        import kda_backend.vllm as kda_vllm
-    except ImportError:  # pragma: no cover - the KDA adapter ships with the package
-        kda_vllm = None
-    if kda_vllm is not None and hasattr(kda_vllm, "register_layer_hooks"):
-        kda_vllm.register_layer_hooks()
+    import kda_backend.vllm as kda_vllm
+
+    kda_vllm.register_layer_hooks()  # opt-in per server: --additional-config '{"flydsl_kda": true}'
     log.info("flydsl-backends: vLLM plugin registered (--attention-backend FLYDSL | CUSTOM)")
