@@ -163,8 +163,9 @@ def test_cache_over_2gib_uses_64bit_offsets():
         vc[b].view(torch.uint8).fill_(0x7F)
     tables = torch.tensor([[far[0], far[1], far[2]], [far[3], 0, 0]], dtype=torch.int32, device=DEVICE)
     ctx = [40, 9]
-    slots = torch.cat([tables[0, torch.arange(40) // bs].long() * bs + torch.arange(40) % bs,
-                       tables[1, torch.arange(9) // bs].long() * bs + torch.arange(9) % bs]).to(DEVICE)
+    t_cpu = tables.cpu()  # index on the host (the table lives on DEVICE)
+    slots = torch.cat([t_cpu[0, torch.arange(40) // bs].long() * bs + torch.arange(40) % bs,
+                       t_cpu[1, torch.arange(9) // bs].long() * bs + torch.arange(9) % bs]).to(DEVICE)
     g = torch.Generator().manual_seed(3)
     key = (torch.randn(49, Hkv, D, generator=g) * 2).bfloat16().to(DEVICE)
     value = torch.randn(49, Hkv, D, generator=g).bfloat16().to(DEVICE)
