@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from backend_core.lazy import LazyClasses
+
 from . import contract as _contract
 from .api import pa_decode, pa_prefill, write_kv
 from .fp8 import FP8_DTYPES
@@ -43,11 +45,11 @@ PAGE_SIZES = _contract.BLOCK_SIZES  # (16, 64, 128)
 HEAD_DIMS = _contract.HEAD_DIMS  # (64, 128, 256)
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 FLYDSL = "flydsl"
+_lock = threading.Lock()  # the hook installation
+
 _WORKING = ("a working combination: --attention-backend flydsl --kv-cache-dtype fp8_e4m3 --page-size 16 "
             "(or 64 / 128) --dtype bfloat16, an MHA/GQA model with head_dim 64, 128 or 256")
 
-_lock = threading.Lock()
-_classes: dict = {}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -238,8 +240,6 @@ def _build_pool_class():
                     self.k_buffer[i][pg, :, :, off, :] = k_cpu.to(self.k_buffer[i].device)
                     self.v_buffer[i][pg, :, off // 16, :, off % 16] = v_cpu.to(self.v_buffer[i].device)
 
-    FlyDSLMHATokenToKVPool.__module__ = __name__
-    FlyDSLMHATokenToKVPool.__qualname__ = "FlyDSLMHATokenToKVPool"
     return FlyDSLMHATokenToKVPool
 
 
@@ -574,25 +574,9 @@ def _build_backend_class():
                        backend=self.pa_impl)
             return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
-    FlyDSLAttnBackend.__module__ = __name__
-    FlyDSLAttnBackend.__qualname__ = "FlyDSLAttnBackend"
     return FlyDSLAttnBackend
 
 
-_BUILDERS = {"FlyDSLMHATokenToKVPool": _build_pool_class, "FlyDSLAttnBackend": _build_backend_class}
-
-
-def _get_class(name):
-    with _lock:
-        cls = _classes.get(name)
-    if cls is None:
-        cls = _BUILDERS[name]()
-        with _lock:
-            cls = _classes.setdefault(name, cls)
-    return cls
-
-
-def __getattr__(name):  # PEP 562: build the SGLang subclasses on first use
-    if name in _BUILDERS:
-        return _get_class(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+_lazy = LazyClasses(__name__, {"FlyDSLMHATokenToKVPool": _build_pool_class, "FlyDSLAttnBackend": _build_backend_class})
+_get_class = _lazy.get
+__getattr__ = _lazy.module_getattr  # PEP 562: the framework subclasses are built on first use

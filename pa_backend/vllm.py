@@ -32,11 +32,11 @@ declared graph-safe. With more than 3 speculative tokens the support drops to
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
+
+from backend_core.lazy import LazyClasses
 
 from . import contract as _contract
 from .api import pa_decode, pa_prefill, write_kv
@@ -53,8 +53,6 @@ KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
 _WORKING = ("--attention-backend FLYDSL --kv-cache-dtype fp8 --block-size 16 (or 64 / 128), --dtype bfloat16, "
             "an MHA/GQA decoder with head size 64, 128 or 256")
 
-_lock = threading.Lock()
-_classes: dict = {}
 
 
 @dataclass
@@ -122,7 +120,7 @@ def _fp8_dtype():
 
 
 def _build_backend_class():
-    from vllm.v1.attention.backend import AttentionBackend, AttentionType, MultipleOf  # noqa: F401
+    from vllm.v1.attention.backend import AttentionBackend
     from vllm.v1.kv_cache_layout import KVCacheLayout
 
     class FlyDSLAttentionBackend(AttentionBackend):
@@ -199,8 +197,6 @@ def _build_backend_class():
                 reasons.append(f"flydsl supports head sizes {HEAD_DIMS} (got {head_size})")
             return "; ".join(reasons) + f" ({_WORKING})" if reasons else None
 
-    FlyDSLAttentionBackend.__module__ = __name__
-    FlyDSLAttentionBackend.__qualname__ = "FlyDSLAttentionBackend"
     return FlyDSLAttentionBackend
 
 
@@ -264,8 +260,6 @@ def _build_builder_class():
             md.seq_lens.fill_(1)  # capture reads one token per request (as vLLM's own backends do)
             return md
 
-    FlyDSLAttentionMetadataBuilder.__module__ = __name__
-    FlyDSLAttentionMetadataBuilder.__qualname__ = "FlyDSLAttentionMetadataBuilder"
     return FlyDSLAttentionMetadataBuilder
 
 
@@ -367,27 +361,11 @@ def _build_impl_class():
                            layer._k_scale, layer._v_scale, **kw)
             return output
 
-    FlyDSLAttentionImpl.__module__ = __name__
-    FlyDSLAttentionImpl.__qualname__ = "FlyDSLAttentionImpl"
     return FlyDSLAttentionImpl
 
 
-_BUILDERS = {"FlyDSLAttentionBackend": _build_backend_class,
-             "FlyDSLAttentionMetadataBuilder": _build_builder_class,
-             "FlyDSLAttentionImpl": _build_impl_class}
-
-
-def _get_class(name):
-    with _lock:
-        cls = _classes.get(name)
-    if cls is None:
-        cls = _BUILDERS[name]()
-        with _lock:
-            cls = _classes.setdefault(name, cls)
-    return cls
-
-
-def __getattr__(name):  # PEP 562: build the vLLM subclasses on first use
-    if name in _BUILDERS:
-        return _get_class(name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+_lazy = LazyClasses(__name__, {"FlyDSLAttentionBackend": _build_backend_class,
+                               "FlyDSLAttentionMetadataBuilder": _build_builder_class,
+                               "FlyDSLAttentionImpl": _build_impl_class})
+_get_class = _lazy.get
+__getattr__ = _lazy.module_getattr  # PEP 562: the framework subclasses are built on first use
