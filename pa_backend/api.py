@@ -57,7 +57,7 @@ def pa_decode(query, key_cache, value_cache, block_tables, context_lengths, key_
       contiguous (filled in place and returned; allocated when None).
     * ``key_cache`` [num_blocks, Hkv, D/16, block_size, 16]; ``value_cache`` [num_blocks, Hkv, D,
       block_size] or [num_blocks, Hkv, block_size/16, D, 16]; FP8 e4m3fn or e4m3fnuz; D in
-      {64, 128, 256}, block_size in {16, 64, 128}, Hq / Hkv in 1..16.
+      {64, 128, 256}, block_size a multiple of 16 up to 128, Hq / Hkv in 1..16.
     * ``key_scale`` / ``value_scale``: per-tensor (0-dim or [1] fp32) or per-token
       [num_blocks, Hkv, block_size] fp32; a stored value reads as fp8 * scale.
     * ``block_tables`` [num_seqs, max_blocks] int32; ``context_lengths`` [num_seqs] int32 (the new

@@ -28,7 +28,7 @@ __all__ = ["PAProblem", "WriteProblem", "prepare_attention", "prepare_write", "B
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32,)
 SLOT_DTYPES = (torch.int32, torch.int64)
-BLOCK_SIZES = (16, 64, 128)
+BLOCK_SIZES = tuple(range(16, 129, 16))  # every multiple of 16 up to 128 (vLLM --block-size)
 HEAD_DIMS = (64, 128, 256)
 MAX_GQA = 16
 MAX_QUERY_LENGTH = 4
@@ -107,7 +107,7 @@ def _check_cache(key_cache, value_cache, key_scale, value_scale, device) -> KVCa
     if D not in HEAD_DIMS:
         raise ValueError(f"key_cache: head dim D = 16 * {D16} = {D} not in {HEAD_DIMS}")
     if bs not in BLOCK_SIZES:
-        raise ValueError(f"key_cache: block_size {bs} not in {BLOCK_SIZES}")
+        raise ValueError(f"key_cache: block_size {bs} not in {BLOCK_SIZES} (a multiple of 16 up to 128)")
     if NB < 1 or Hkv < 1:
         raise ValueError(f"key_cache: expected at least one block and one KV head, got {list(key_cache.shape)}")
     require_unit_stride(key_cache, "key_cache")

@@ -41,7 +41,7 @@ __all__ = ["FlyDSLAttnBackend", "FlyDSLMHATokenToKVPool", "install_kv_pool_hook"
 
 log = logging.getLogger("flydsl_backends.pa.sglang")
 
-PAGE_SIZES = _contract.BLOCK_SIZES  # (16, 64, 128)
+PAGE_SIZES = (16, 64, 128)  # the SGLang pages this adapter is tested with (the op takes any multiple of 16)
 HEAD_DIMS = _contract.HEAD_DIMS  # (64, 128, 256)
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 FLYDSL = "flydsl"

@@ -47,11 +47,11 @@ __all__ = ["FlyDSLAttentionBackend", "FlyDSLAttentionMetadataBuilder", "FlyDSLAt
 log = logging.getLogger("flydsl_backends.pa.vllm")
 
 BACKEND_NAME = "FLYDSL"
-BLOCK_SIZES = _contract.BLOCK_SIZES  # (16, 64, 128)
+BLOCK_SIZES = _contract.BLOCK_SIZES  # 16, 32, ..., 128
 HEAD_DIMS = _contract.HEAD_DIMS  # (64, 128, 256)
 KV_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-_WORKING = ("--attention-backend FLYDSL --kv-cache-dtype fp8 --block-size 16 (or 64 / 128), --dtype bfloat16, "
-            "an MHA/GQA decoder with head size 64, 128 or 256")
+_WORKING = ("--attention-backend FLYDSL --kv-cache-dtype fp8 --block-size 16 (any multiple of 16 up to 128), "
+            "--dtype bfloat16, an MHA/GQA decoder with head size 64, 128 or 256")
 
 
 
@@ -192,7 +192,8 @@ def _build_backend_class():
             if kv_cache_dtype not in KV_CACHE_DTYPES:
                 reasons.append(f"flydsl reads an FP8 KV cache: use --kv-cache-dtype fp8 (got {kv_cache_dtype!r})")
             if block_size is not None and block_size not in BLOCK_SIZES:
-                reasons.append(f"flydsl pages hold 16, 64 or 128 tokens: use --block-size 16 (got {block_size})")
+                reasons.append(f"flydsl pages hold a multiple of 16 tokens up to 128: use --block-size 16 "
+                               f"(got {block_size})")
             if head_size not in HEAD_DIMS:
                 reasons.append(f"flydsl supports head sizes {HEAD_DIMS} (got {head_size})")
             return "; ".join(reasons) + f" ({_WORKING})" if reasons else None

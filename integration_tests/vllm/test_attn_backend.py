@@ -67,6 +67,7 @@ def test_token_major_layout_rejected_with_the_fix():
     assert pav.FlyDSLAttentionBackend.supported_kv_cache_layouts()[0].name == "LBHNC"
 
 
+@pytest.mark.parametrize("bs", [16, 48])
 @pytest.mark.parametrize("name, prefix, query, expect_ql", [
     ("decode", (14, 33, 0, 47), (1, 1, 1, 1), 1),
     ("spec_decode", (14, 33, 5, 47), (3, 3, 3, 3), 3),
@@ -74,8 +75,7 @@ def test_token_major_layout_rejected_with_the_fix():
     ("mixed", (20, 5, 0, 70), (1, 1, 7, 1), 0),
     ("chunked", (32, 0), (16, 16), 0),
 ])
-def test_builder_and_forward_match_sdpa(model_dir, name, prefix, query, expect_ql, monkeypatch):
-    bs = 16
+def test_builder_and_forward_match_sdpa(model_dir, name, prefix, query, expect_ql, bs, monkeypatch):
     unused = "pa_prefill" if expect_ql else "pa_decode"  # the routing: the other op must not run
 
     def _wrong_op(*a, **k):

@@ -153,7 +153,7 @@ def _validate(cls, **over):
 
 
 @pytest.mark.parametrize("over", [{}, dict(head_size=64), dict(head_size=256), dict(block_size=64),
-                                  dict(block_size=128), dict(kv_cache_dtype="fp8_e4m3"), dict(has_sink=True),
+                                  dict(block_size=128), dict(block_size=32), dict(block_size=48), dict(block_size=112), dict(kv_cache_dtype="fp8_e4m3"), dict(has_sink=True),
                                   dict(has_sliding_window=True), dict(dtype="float16")])
 def test_validate_accepts(backend, over):
     import torch
@@ -168,7 +168,8 @@ def test_validate_accepts(backend, over):
     (dict(head_size=96), "head_size not supported"),
     (dict(kv_cache_dtype="auto"), "--kv-cache-dtype fp8"),
     (dict(kv_cache_dtype="fp8_e5m2"), "--kv-cache-dtype fp8"),
-    (dict(block_size=32), "--block-size 16"),
+    (dict(block_size=144), "--block-size 16"),
+    (dict(block_size=40), "--block-size 16"),
     (dict(block_size=8), "block_size not supported"),
     (dict(use_mla=True), "MLA not supported"),
     (dict(attn_type="encoder"), "attention type encoder not supported"),

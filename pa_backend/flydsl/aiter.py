@@ -38,6 +38,7 @@ ENTRY_POINTS = {
                   "compute_type", "sinks", "sliding_window"),
 }
 PARTITION_TOKENS = 256
+AITER_BLOCK_SIZES = (16, 64, 128)  # the block sizes this adapter was written and checked for
 
 
 def find():
@@ -61,6 +62,8 @@ def covers(p) -> Tuple[bool, str]:
     if not p.is_decode:
         return False, "pa_prefill: AITER's FlyDSL paged kernel is decode-only"
     c = p.cache
+    if c.block_size not in AITER_BLOCK_SIZES:
+        return False, f"block size {c.block_size}: this adapter maps AITER's kernel for blocks of {AITER_BLOCK_SIZES}"
     want = torch.float8_e4m3fnuz if platform.device_info(p.device).arch == "gfx942" else torch.float8_e4m3fn
     if c.key_cache.dtype != want:
         return False, f"the cache is {c.key_cache.dtype}; AITER's kernel on this arch reads {want}"

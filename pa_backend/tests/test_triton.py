@@ -37,6 +37,20 @@ def test_decode_grid(v_layout, scales, ql, gqa):
                v_layout=v_layout, scales=scales), seed=ql * 10 + gqa)
 
 
+@pytest.mark.parametrize("bs", [32, 48, 80, 96, 112])
+@pytest.mark.parametrize("v_layout", ["4d", "5d"])
+def test_decode_and_prefill_any_multiple_of_16_block(bs, v_layout):
+    """Blocks that are not 16/64/128 (vLLM's --block-size): tiles of the block's largest power-of-two
+    divisor, contexts ending mid-block and spanning several blocks; decode (ql 1 and 3) and ragged
+    prefill against the float64 reference."""
+    check(dict(context_lengths=[3, 2 * bs + 5, bs], query_length=1, Hq=4, Hkv=2, D=64, block_size=bs,
+               v_layout=v_layout, scales="tensor"), seed=bs)
+    check(dict(context_lengths=[bs + 7, 4], query_length=3, Hq=2, Hkv=2, D=128, block_size=bs, v_layout=v_layout,
+               scales="token"), seed=bs + 1)
+    check(dict(context_lengths=[bs + 9, 20], query_lengths=[bs + 9, 3], Hq=4, Hkv=2, D=64, block_size=bs,
+               v_layout=v_layout, scales="tensor"), seed=bs + 2)
+
+
 @pytest.mark.parametrize("extra", [dict(sliding_window=9), dict(sinks=True), dict(sinks=True, sliding_window=5),
                                    dict(block_size=64, context_lengths=[70, 1]), dict(D=128),
                                    dict(block_size=128, context_lengths=[200, 3]), dict(D=256, block_size=64),
@@ -92,7 +106,7 @@ def test_prefill_rows_outside_sequences_are_zero():
 
 @pytest.mark.parametrize("scales", ["tensor", "token"])
 @pytest.mark.parametrize("v_layout", ["4d", "5d"])
-@pytest.mark.parametrize("D,bs", [(64, 16), (128, 64)])
+@pytest.mark.parametrize("D,bs", [(64, 16), (128, 64), (64, 48), (128, 112)])
 def test_write_kv_bitwise_equal_to_reference(scales, v_layout, D, bs):
     """Same bytes and scales as the reference writer; slot -1 and a slot past the cache skipped."""
     from pa_backend import write_kv

@@ -145,7 +145,12 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
     max_tokens = int(p.block_tables.shape[1]) * c.block_size
     P, nbp = plan_partitions(items, c.Hkv, max_tokens, c.block_size, sms, p.num_partitions or 0,
                              programs_per_sm())
-    bt = min(bt, nbp * c.block_size)  # both powers of two: the tile count per partition is exact
+    if c.block_size & (c.block_size - 1):
+        # a block of 48, 80, 96 or 112 tokens: tiles of its largest power-of-two divisor (>= 16), so a
+        # tile always lies inside one block and the tile count per partition is exact
+        bt = min(bt, c.block_size & -c.block_size)
+    else:
+        bt = min(bt, nbp * c.block_size)  # both powers of two: the tile count per partition is exact
     ws_m, ws_l, ws_acc = workspace(p.device, items, c.Hkv, P, BM, D)
     kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
     pa_decode_partition_kernel[(items, c.Hkv, P)](
