@@ -67,6 +67,10 @@ def test_token_major_layout_rejected_with_the_fix():
     assert pav.FlyDSLAttentionBackend.supported_kv_cache_layouts()[0].name == "LBHNC"
 
 
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=GPU)])  # cuda: the Triton kernels
 @pytest.mark.parametrize("bs", [16, 48])
 @pytest.mark.parametrize("name, prefix, query, expect_ql", [
     ("decode", (14, 33, 0, 47), (1, 1, 1, 1), 1),
@@ -75,7 +79,7 @@ def test_token_major_layout_rejected_with_the_fix():
     ("mixed", (20, 5, 0, 70), (1, 1, 7, 1), 0),
     ("chunked", (32, 0), (16, 16), 0),
 ])
-def test_builder_and_forward_match_sdpa(model_dir, name, prefix, query, expect_ql, bs, monkeypatch):
+def test_builder_and_forward_match_sdpa(model_dir, name, prefix, query, expect_ql, bs, dev, monkeypatch):
     unused = "pa_prefill" if expect_ql else "pa_decode"  # the routing: the other op must not run
 
     def _wrong_op(*a, **k):
@@ -86,27 +90,28 @@ def test_builder_and_forward_match_sdpa(model_dir, name, prefix, query, expect_q
     builder, _ = _builder(model_dir, spec)
     b = H.Batch(prefix_lens=prefix, query_lens=query, block_size=bs, num_blocks=40, seed=hash(name) % 97)
     rows = H.block_rows(b, max_blocks=8)
-    cam = H.common_metadata(b, rows)
+    cam = H.common_metadata(b, rows, device=dev)
     md = builder.build(0, cam)
     assert md.query_length == expect_ql
     g = torch.Generator().manual_seed(7)
     k_all, v_all = H.random_kv(b, g)
     ks, vs = 0.5, 0.25
-    impl, layer = H.make_impl(), H.layer_with_scales(ks, vs)
-    caches = H.allocate(spec, b.num_blocks, LAYERS, "LBHNC")
+    impl = H.make_impl(pa_impl="triton" if dev == "cuda" else "torch")
+    layer = H.layer_with_scales(ks, vs, device=dev)
+    caches = H.allocate(spec, b.num_blocks, LAYERS, "LBHNC", device=dev)
     kv = caches[LAYERS[0]]
     other = caches[LAYERS[1]].view(torch.uint8).clone()
-    H.write_prefix(impl, layer, kv, b, rows, k_all, v_all)
-    k_new, v_new = H.new_tokens(b, k_all, v_all)
+    H.write_prefix(impl, layer, kv, b, rows, k_all, v_all, device=dev)
+    k_new, v_new = (t.to(dev) for t in H.new_tokens(b, k_all, v_all))
     impl.do_kv_cache_update(layer, k_new, v_new, kv, cam.slot_mapping)
     T = cam.num_actual_tokens
     q = torch.randn(T, H.HQ, H.D, generator=g).bfloat16()
-    out = torch.full((T, H.HQ, H.D), float("nan"), dtype=torch.bfloat16)
-    impl.forward(layer, q, k_new, v_new, kv, md, out)
+    out = torch.full((T, H.HQ, H.D), float("nan"), dtype=torch.bfloat16, device=dev)
+    impl.forward(layer, q.to(dev), k_new, v_new, kv, md, out)
     want = H.sdpa_reference(q, k_all, v_all, b, H.D ** -0.5, k_scale=ks, v_scale=vs)
-    torch.testing.assert_close(out.float(), want, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(out.float().cpu(), want, atol=ATOL, rtol=RTOL)
     # only live slots were written: the rest (block 0 included) still holds the sentinel; layer 1 untouched
-    sb = H.slot_bytes(kv, bs)
+    sb = H.slot_bytes(kv, bs).cpu()
     dead = torch.ones(sb.shape[0], dtype=torch.bool)
     dead[H.live_slots(b, rows)] = False
     assert bool((sb[dead] == H.SENTINEL_BYTE).all())
