@@ -80,10 +80,14 @@ def op_calls(monkeypatch):
     return calls
 
 
-def _setup(additional=None, *, lower_bound=None, full_cudagraph=True, device="cpu", num_spec=0, prefix=KH.PREFIX):
+def _setup(additional=None, *, lower_bound=None, full_cudagraph=True, device="cpu", num_spec=0, prefix=KH.PREFIX,
+           state_dtype=None):
     vc = KH.make_vllm_config({"flydsl_kda": True} if additional is None else additional, full_cudagraph=full_cudagraph)
     layer = KH.build_layer(vc, lower_bound=lower_bound, device=device, prefix=prefix)
     layer.num_spec = num_spec  # conv state width W-1+num_spec (what a speculative config gives)
+    if state_dtype is not None:  # vLLM 0.33's Kimi-Linear always asks for FP32; other configs/layers may not
+        conv_dtype = layer.get_state_dtype()[0]
+        layer.get_state_dtype = lambda: (conv_dtype, state_dtype)
     cache = KH.bind_cache(layer, vc, num_blocks=NUM_BLOCKS, live_blocks=LIVE, device=device)
     builder = KH.metadata_builder(layer, vc, cache, device=device)
     return vc, layer, cache, builder
@@ -184,6 +188,25 @@ def test_padded_decode_matches_reference(hooked, vllm_path, op_calls, caplog, lo
     page_end = int(cache.spec.page_size_bytes)
     assert torch.equal(cache.pages[:, page_end:], pages0[:, page_end:])  # page padding untouched
     assert torch.equal(m.non_spec_state_indices_tensor.cpu(), torch.tensor(LIVE + [0] * pad_rows, dtype=torch.int32))
+
+
+def test_bf16_state_decode_matches_reference(hooked, vllm_path, op_calls):
+    """A BF16 recurrent state in vLLM's page (Kimi-Linear in 0.33 always asks for FP32, so the layer's
+    get_state_dtype is overridden here): our op widens it, updates in FP32 and rounds once on store."""
+    vc, layer, cache, builder = _setup(state_dtype=torch.bfloat16)
+    assert cache.state.dtype == torch.bfloat16
+    m = KH.decode_metadata(builder, LIVE, 1)
+    inp = KH.decode_inputs(layer, len(LIVE) + 1)
+    conv0, state0 = cache.conv_state.clone(), cache.state.clone()
+    expected, new = KH.expected_decode(layer, inp, conv0, state0, LIVE + [0])
+    _run(vc, layer, m, inp)
+    assert vllm_path == [] and len(op_calls) == 1
+    torch.testing.assert_close(inp.core_attn_out[0].double(), expected, atol=ATOL, rtol=RTOL)
+    for blk in range(NUM_BLOCKS):
+        if blk in new:
+            torch.testing.assert_close(cache.state[blk].double(), new[blk][1], atol=2e-2, rtol=1e-2)
+        else:
+            assert torch.equal(cache.state[blk], state0[blk]) and torch.equal(cache.conv_state[blk], conv0[blk])
 
 
 def test_two_steps_and_log_once(hooked, caplog):
