@@ -77,21 +77,6 @@ def _check_head_dims(head_dim, v_head_dim) -> None:
                          f"MLA / asymmetric heads are not served ({_WORKING})")
 
 
-def _check_spec_runner(spec) -> None:
-    """A runner with speculative decoding: the verify batches must be chains (topk 1)."""
-    topk = None
-    try:
-        from sglang.srt.runtime_context import get_spec
-
-        topk = get_spec().speculative_eagle_topk
-    except Exception:  # no published server args (tests, tools): checked per batch instead
-        pass
-    if topk not in (None, 1):
-        raise ValueError(f"--speculative-eagle-topk {topk}: the flydsl attention backend verifies draft chains only "
-                         f"(a tree needs a custom mask); use --speculative-eagle-topk 1 with "
-                         f"--speculative-num-draft-tokens 2..{_contract.MAX_QUERY_LENGTH}")
-
-
 def flydsl_backend_selected() -> bool:
     """Whether this process's configured prefill or decode attention backend is ``flydsl``."""
     try:
@@ -367,9 +352,8 @@ def _build_backend_class():
             if self.data_type not in ACT_DTYPES:
                 raise ValueError(f"--dtype: the flydsl attention backend computes in bfloat16 or float16, got "
                                  f"{self.data_type}; use --dtype bfloat16 ({_WORKING})")
-            spec = getattr(runner, "spec_algorithm", None)
-            if spec is not None and hasattr(spec, "is_none") and not spec.is_none():
-                _check_spec_runner(spec)
+            # speculative decoding: the combination is checked at argument resolution (the plugin) and the
+            # draft-chain shape per verify batch (_verify_tokens)
             from sglang.srt.mem_cache.base_swa_memory_pool import BaseSWAKVPool
 
             if isinstance(self.token_to_kv_pool, BaseSWAKVPool):
@@ -425,17 +409,18 @@ def _build_backend_class():
                                           "not served; the draft runs on --speculative-draft-attention-backend")
 
         @staticmethod
-        def _verify_tokens(spec_info, bs: int, out_cache_loc) -> int:
-            """Draft tokens per request of a TARGET_VERIFY batch (topk 1: a chain, so causal masking is exact)."""
-            topk = getattr(spec_info, "topk", 1) if spec_info is not None else 1
+        def _verify_tokens(spec_info, default: int) -> int:
+            """Draft tokens per request of a TARGET_VERIFY batch (spec_info's count, else ``default``);
+            topk 1 only: a chain, so causal masking among the drafts is exact."""
+            topk = getattr(spec_info, "topk", 1)
             if topk not in (None, 1):
                 raise NotImplementedError(f"flydsl attention backend: target verify of a draft tree (topk={topk}) is "
                                           "not supported; use --speculative-eagle-topk 1")
-            n = int(getattr(spec_info, "num_tokens_per_req", -1) or -1) if spec_info is not None else -1
+            n = int(getattr(spec_info, "num_tokens_per_req", -1) or -1)
             if n <= 0:
-                n = int(getattr(spec_info, "draft_token_num", -1) or -1) if spec_info is not None else -1
-            if n <= 0 and out_cache_loc is not None and bs > 0:
-                n = int(out_cache_loc.shape[0]) // bs
+                n = int(getattr(spec_info, "draft_token_num", -1) or -1)
+            if n <= 0:
+                n = default
             if not 1 <= n <= _contract.MAX_QUERY_LENGTH:
                 raise NotImplementedError(f"flydsl attention backend: target verify with {n} draft tokens per request; "
                                           f"supported 1..{_contract.MAX_QUERY_LENGTH} (--speculative-num-draft-tokens)")
@@ -452,7 +437,7 @@ def _build_backend_class():
             cl = forward_batch.seq_lens[:bs].to(torch.int32)
             qsl = None
             if mode.is_target_verify():
-                n = self._verify_tokens(forward_batch.spec_info, bs, forward_batch.out_cache_loc)
+                n = self._verify_tokens(forward_batch.spec_info, int(forward_batch.out_cache_loc.shape[0]) // max(bs, 1))
                 self.forward_metadata = FlyDSLForwardMetadata(bt, cl + n, None, n)
                 return
             if not mode.is_decode():
@@ -494,17 +479,13 @@ def _build_backend_class():
             if self.cuda_graph_block_tables is None:
                 raise RuntimeError("init_cuda_graph_state must run before init_forward_metadata_out_graph")
             bs = int(forward_batch.batch_size)
-            n = 1
-            if verify:
-                n = self._verify_tokens(getattr(forward_batch, "spec_info", None), 0, None) \
-                    if getattr(forward_batch, "spec_info", None) is not None else self.cuda_graph_query_length
+            n = self._verify_tokens(getattr(forward_batch, "spec_info", None), self.cuda_graph_query_length) \
+                if verify else 1
             bt = self.cuda_graph_block_tables[:bs]
             cl = self.cuda_graph_context_lens[:bs]
             bt.copy_(self._block_table(forward_batch.req_pool_indices[:bs]))
-            if n == 1:
-                cl.copy_(forward_batch.seq_lens[:bs])
-            else:
-                torch.add(forward_batch.seq_lens[:bs], n, out=cl)
+            # decode seq_lens include the new token; verify seq_lens exclude the n drafts
+            torch.add(forward_batch.seq_lens[:bs], n if verify else 0, out=cl)
             self.forward_metadata = FlyDSLForwardMetadata(bt, cl, None, n)
 
         def get_cuda_graph_seq_len_fill_value(self):

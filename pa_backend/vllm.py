@@ -113,6 +113,12 @@ def kv_cache_views(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int, fp
 # the vLLM classes (built lazily)
 
 
+def _spec_query_length(vllm_config) -> int:
+    """Query tokens per request of a speculative decode step (1 + speculative tokens; 1 without)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return 1 + (int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0)
+
+
 def _fp8_dtype():
     from vllm.platforms import current_platform
 
@@ -213,45 +219,35 @@ def _build_builder_class():
 
         @classmethod
         def get_cudagraph_support(cls, vllm_config, kv_cache_spec):
-            spec = getattr(vllm_config, "speculative_config", None)
-            k = int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
-            if k + 1 > _contract.MAX_QUERY_LENGTH:
+            if _spec_query_length(vllm_config) > _contract.MAX_QUERY_LENGTH:
                 return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
             return cls._cudagraph_support
 
         def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-            self.block_size = int(kv_cache_spec.block_size)
-            mc, pc = vllm_config.model_config, vllm_config.parallel_config
-            self.num_heads_q = int(mc.get_num_attention_heads(pc))
-            self.num_heads_kv = int(mc.get_num_kv_heads(pc))
-            self.head_size = int(mc.get_head_size())
-            self.device = torch.device(device)
             mode = vllm_config.compilation_config.cudagraph_mode
-            self.full_graphs = mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY,
-                                        CUDAGraphMode.FULL)
-            if self.device.type == "cuda" and self.full_graphs:
+            full_graphs = mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL)
+            if torch.device(device).type == "cuda" and full_graphs:
+                # the split-K workspace for the largest graph batch, allocated before any capture
                 from .planner import reserve
 
-                spec = getattr(vllm_config, "speculative_config", None)
-                ql = 1 + int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 1
-                reserve(int(vllm_config.scheduler_config.max_num_seqs), self.num_heads_q, self.num_heads_kv,
-                        self.head_size, int(mc.max_model_len), self.block_size,
-                        query_length=min(ql, _contract.MAX_QUERY_LENGTH), device=self.device)
+                mc, pc = vllm_config.model_config, vllm_config.parallel_config
+                reserve(int(vllm_config.scheduler_config.max_num_seqs), int(mc.get_num_attention_heads(pc)),
+                        int(mc.get_num_kv_heads(pc)), int(mc.get_head_size()), int(mc.max_model_len),
+                        int(kv_cache_spec.block_size),
+                        query_length=min(_spec_query_length(vllm_config), _contract.MAX_QUERY_LENGTH),
+                        device=torch.device(device))
 
         def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
             cam = common_attn_metadata
             if common_prefix_len:
                 raise NotImplementedError("flydsl attention: cascade attention (common_prefix_len > 0) is not supported")
             n = uniform_query_length(cam.query_start_loc_cpu, cam.num_reqs, cam.num_actual_tokens, cam.max_query_len)
-            seq_lens = cam.seq_lens if cam.seq_lens.dtype == torch.int32 else cam.seq_lens.to(torch.int32)
-            bt = cam.block_table_tensor
-            if bt.dtype != torch.int32:
-                bt = bt.to(torch.int32)
+            # the runner's persistent int32 buffers, as they are (a copy would break CUDA-graph replay)
             return FlyDSLAttentionMetadata(
                 num_actual_tokens=int(cam.num_actual_tokens), num_reqs=int(cam.num_reqs),
                 max_query_len=int(cam.max_query_len), query_length=n, query_start_loc=cam.query_start_loc,
-                seq_lens=seq_lens, block_table=bt, slot_mapping=cam.slot_mapping)
+                seq_lens=cam.seq_lens, block_table=cam.block_table_tensor, slot_mapping=cam.slot_mapping)
 
         def build_for_cudagraph_capture(self, common_attn_metadata):
             md = self.build(0, common_attn_metadata)
