@@ -6,14 +6,34 @@ import torch
 
 __all__ = ["CORRUPTIONS", "corrupt", "fake_gpus", "amd_props", "nvidia_props", "clear_device_memos"]
 
-CORRUPTIONS = ("dtype", "drop_dim", "add_dim", "grow", "shrink", "transpose", "none", "list", "scalar")
+CORRUPTIONS = ("dtype", "drop_dim", "add_dim", "grow", "shrink", "transpose", "none", "list", "scalar", "strided",
+               "alias")
+
+
+def strided_copy(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """The same values as ``t`` in a view whose strides are doubled along ``dim`` and every dim
+    before it (the elements in between are copies)."""
+    return torch.stack([t, t], dim + 1).select(dim + 1, 0)
+
+
+def alias_view(t: torch.Tensor, host: torch.Tensor):
+    """A contiguous tensor shaped and typed like ``t`` laid over ``host``'s first bytes, or None
+    when ``host``'s storage is too small."""
+    nbytes = t.numel() * t.element_size()
+    off = host.storage_offset() * host.element_size()
+    if t.numel() == 0 or host.untyped_storage().nbytes() - off < nbytes or off % t.element_size():
+        return None
+    return torch.empty(0, dtype=t.dtype, device=host.device).set_(
+        host.untyped_storage(), off // t.element_size(), t.shape, torch.empty(t.shape, device="meta").stride())
 
 
 def corrupt(kw: dict, name: str, kind: str, dtype: torch.dtype, dim: int) -> None:
     """Replace ``kw[name]`` by a malformed variant (property-based validation tests).
 
     ``dtype``: the target of a "dtype" corruption (between 1-byte dtypes it is a reinterpreting
-    ``view``); ``dim``: which dimension the shape corruptions touch (modulo the rank).
+    ``view``); ``dim``: which dimension the shape corruptions touch (modulo the rank). "strided":
+    the same values through a strided view; "alias": a view of the same shape and dtype over the
+    memory of another tensor argument (picked by ``dim``), so outputs and caches overlap inputs.
     """
     t = kw.get(name)
     if kind == "none":
@@ -28,6 +48,17 @@ def corrupt(kw: dict, name: str, kind: str, dtype: torch.dtype, dim: int) -> Non
     if t is None:
         t = torch.zeros(3)
     d = dim % max(t.dim(), 1)
+    if kind == "alias":
+        hosts = sorted(k for k, v in kw.items() if isinstance(v, torch.Tensor) and k != name)
+        if hosts:
+            view = alias_view(t, kw[hosts[dim % len(hosts)]])
+            if view is not None:
+                kw[name] = view
+        return
+    if kind == "strided":
+        if t.dim():
+            kw[name] = strided_copy(t, d)
+        return
     if kind == "dtype":
         if t.dtype.itemsize == 1 or dtype.itemsize == 1:
             kw[name] = t.view(dtype) if t.dim() and t.dtype.itemsize == dtype.itemsize else t

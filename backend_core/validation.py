@@ -26,6 +26,9 @@ __all__ = [
     "span_elements",
     "require_int32_span",
     "require_float",
+    "require_disjoint",
+    "require_data",
+    "may_overlap",
 ]
 
 
@@ -43,10 +46,20 @@ def require_tensor(t, name: str, *, optional: bool = False) -> Optional[torch.Te
     return t
 
 
-def checked_tensor(t, name: str, device: torch.device, dtypes: Sequence[torch.dtype]) -> torch.Tensor:
-    """``t`` must be a tensor on ``device`` with one of ``dtypes``; returns it."""
+def require_data(t: torch.Tensor, name: str) -> None:
+    """Tensors on the ``meta`` device carry no data: no implementation can read or write them.
+    Contracts call it last on the argument that fixes the device (every other tensor is on the
+    same one), so shape and stride checks still run on meta tensors."""
+    if t.device.type == "meta":
+        raise ValueError(f"{name}: expected a tensor with data, got one on the meta device")
+
+
+def checked_tensor(t, name: str, device: torch.device, dtypes: Sequence[torch.dtype], *,
+                   anchor: Optional[str] = None) -> torch.Tensor:
+    """``t`` must be a tensor with data on ``device`` (the device of argument ``anchor``) with one
+    of ``dtypes``; returns it."""
     require_tensor(t, name)
-    require_same_device(t, name, device)
+    require_same_device(t, name, device, anchor)
     require_dtype(t, name, dtypes)
     return t
 
@@ -66,9 +79,10 @@ def require_shape(t: torch.Tensor, name: str, shape: Sequence[Union[int, None]],
         raise ValueError(f"{name}: expected shape {want}{extra}, got {list(t.shape)}")
 
 
-def require_same_device(t: torch.Tensor, name: str, device: torch.device) -> None:
+def require_same_device(t: torch.Tensor, name: str, device: torch.device, anchor: Optional[str] = None) -> None:
     if t.device != device:
-        raise ValueError(f"{name}: expected a tensor on {device} (the device of x), got one on {t.device}")
+        of = f" (the device of {anchor})" if anchor else ""
+        raise ValueError(f"{name}: expected a tensor on {device}{of}, got one on {t.device}")
 
 
 def require_unit_stride(t: torch.Tensor, name: str, dim: int = -1) -> None:
@@ -122,6 +136,80 @@ def require_float(v, name: str, *, finite: bool = True, positive: bool = False, 
     if positive and not f > 0:
         raise ValueError(f"{name}: expected a positive number, got {f}")
     return f
+
+
+def _addresses(t: torch.Tensor):
+    """(first byte, one past the last byte, [(byte stride, size), ...] of the dims with size > 1)."""
+    es = t.element_size()
+    lo = hi = t.data_ptr()
+    dims = []
+    for size, st in zip(t.shape, t.stride()):
+        if size > 1:
+            span = (size - 1) * st * es
+            if span < 0:
+                lo += span
+            else:
+                hi += span
+            dims.append((abs(st) * es, int(size)))
+    return lo, hi + es, dims
+
+
+def _residues(lo: int, hi: int, dims, period: int):
+    """Byte addresses of a strided view taken modulo ``period``, as one interval (start, length),
+    or None when they may cover the whole period. Dims whose stride is a multiple of the period add
+    nothing; the others stay inside their span above ``lo``."""
+    inner = hi - lo - sum((st * (n - 1)) for st, n in dims if st % period == 0)
+    if inner >= period:
+        return None
+    return lo % period, inner
+
+
+def _disjoint(a, b) -> bool:
+    """``a``, ``b``: ``_addresses`` of two non-empty tensors."""
+    alo, ahi, adims = a
+    blo, bhi, bdims = b
+    if ahi <= blo or bhi <= alo:
+        return True
+    for period in sorted({st for st, _ in adims + bdims if st > 0}, reverse=True):
+        ra, rb = _residues(alo, ahi, adims, period), _residues(blo, bhi, bdims, period)
+        if ra is None or rb is None:
+            continue
+        # circular intervals [s, s + n) modulo period: disjoint when neither start lies in the other
+        (sa, na), (sb, nb) = ra, rb
+        if (sb - sa) % period >= na and (sa - sb) % period >= nb:
+            return True
+    return False
+
+
+def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors may share a byte of memory. Reads no data (no host sync).
+
+    Exact for disjoint extents; for views whose extents interleave (vLLM puts a block's K and V
+    pages, or a slot's conv and recurrent state, side by side in one page) it proves disjointness
+    from a common period: if both views' addresses modulo a stride of either fall into
+    non-intersecting intervals, they cannot meet. Anything it cannot prove disjoint counts as
+    overlapping.
+    """
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    return not _disjoint(_addresses(a), _addresses(b))
+
+
+def require_disjoint(written: Sequence[Tuple[str, Optional[torch.Tensor]]],
+                     others: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> None:
+    """Every tensor in ``written`` (outputs and in-place arguments) must share no memory with any
+    other argument, written or read: a kernel writing one would corrupt the other (or read what it
+    just wrote). ``None`` and empty tensors are skipped. Raises ValueError naming both arguments."""
+    def live(pairs):
+        return [(n, t, _addresses(t)) for n, t in pairs if isinstance(t, torch.Tensor) and t.numel()]
+
+    w = live(written)
+    items = w + live(others)
+    for i, (wn, _, wa) in enumerate(w):
+        for on, _, oa in items[i + 1:]:
+            if not _disjoint(wa, oa):
+                raise ValueError(f"{wn}: shares memory with {on}; {wn} is written by the call, so it must not "
+                                 f"overlap any other argument (pass separate buffers)")
 
 
 def shape_str(shape: Tuple[int, ...]) -> str:

@@ -22,6 +22,8 @@ from backend_core.validation import (
     require_tensor,
     require_unit_stride,
     require_int32_span,
+    require_data,
+    require_disjoint,
 )
 
 __all__ = ["KDAProblem", "prepare", "SLOT_CHECK", "SLOT_CHECK_PADDING_SLOT", "STATE_DTYPES"]
@@ -153,7 +155,7 @@ def prepare(
     require_unit_stride(x, "x")
     B = int(x.shape[0])
 
-    state = checked_tensor(state, "state", device, STATE_DTYPES)
+    state = checked_tensor(state, "state", device, STATE_DTYPES, anchor="x")
     if state.dim() != 4:
         raise ValueError(f"state: expected shape [slots, H, V, K], got {list(state.shape)}")
     slots, H, V, K = (int(s) for s in state.shape)
@@ -173,14 +175,14 @@ def prepare(
     C = 3 * HK
     require_shape(x, "x", (B, C), "[B, 3*H*K]")
 
-    state_indices = checked_tensor(state_indices, "state_indices", device, INDEX_DTYPES)
+    state_indices = checked_tensor(state_indices, "state_indices", device, INDEX_DTYPES, anchor="x")
     require_shape(state_indices, "state_indices", (B,), "[B]")
 
     # --- conv stage ------------------------------------------------------------------------------
     num_slots = slots
     W = 0
     if conv_weight is not None:
-        conv_weight = checked_tensor(conv_weight, "conv_weight", device, (torch.float32,))
+        conv_weight = checked_tensor(conv_weight, "conv_weight", device, (torch.float32,), anchor="x")
         if conv_weight.dim() != 2 or int(conv_weight.shape[0]) != C:
             raise ValueError(f"conv_weight: expected shape [3*H*K, W] = [{C}, W], got {list(conv_weight.shape)}")
         W = int(conv_weight.shape[1])
@@ -190,7 +192,7 @@ def prepare(
             raise ValueError(
                 f"conv_weight: expected one unit-stride axis (channel-major or width-major), got strides {tuple(conv_weight.stride())}"
             )
-        conv_state = checked_tensor(conv_state, "conv_state", device, ACT_DTYPES)
+        conv_state = checked_tensor(conv_state, "conv_state", device, ACT_DTYPES, anchor="x")
         if conv_state.dim() != 3 or int(conv_state.shape[1]) != C or int(conv_state.shape[2]) != W - 1:
             raise ValueError(
                 f"conv_state: expected shape [slots, 3*H*K, W-1] = [slots, {C}, {W - 1}], got {list(conv_state.shape)}"
@@ -202,7 +204,7 @@ def prepare(
         require_int32_span(conv_weight, "conv_weight")
         num_slots = min(slots, int(conv_state.shape[0]))
         if conv_bias is not None:
-            conv_bias = checked_tensor(conv_bias, "conv_bias", device, (torch.float32,))
+            conv_bias = checked_tensor(conv_bias, "conv_bias", device, (torch.float32,), anchor="x")
             require_shape(conv_bias, "conv_bias", (C,), "[3*H*K]")
             require_unit_stride(conv_bias, "conv_bias")
     else:
@@ -212,31 +214,31 @@ def prepare(
 
     # --- gate inputs -----------------------------------------------------------------------------
     if with_f_b:
-        f_a = checked_tensor(f_a, "f_a", device, ACT_DTYPES)
+        f_a = checked_tensor(f_a, "f_a", device, ACT_DTYPES, anchor="x")
         if f_a.dim() != 2 or int(f_a.shape[0]) != B or int(f_a.shape[1]) < 1:
             raise ValueError(f"f_a: expected shape [B, R] with B={B}, got {list(f_a.shape)}")
         require_unit_stride(f_a, "f_a")
         R = int(f_a.shape[1])
-        f_b_weight = checked_tensor(f_b_weight, "f_b_weight", device, ACT_DTYPES)
+        f_b_weight = checked_tensor(f_b_weight, "f_b_weight", device, ACT_DTYPES, anchor="x")
         require_shape(f_b_weight, "f_b_weight", (H, K, R), "[H, K, R]")
         require_unit_stride(f_b_weight, "f_b_weight")
         require_non_overlapping(f_b_weight, "f_b_weight")
         a = None
     else:
-        a = checked_tensor(a, "a", device, ACT_DTYPES)
+        a = checked_tensor(a, "a", device, ACT_DTYPES, anchor="x")
         require_shape(a, "a", (B, HK), "[B, H*K]")
         require_unit_stride(a, "a")
 
-    b = checked_tensor(b, "b", device, ACT_DTYPES)
+    b = checked_tensor(b, "b", device, ACT_DTYPES, anchor="x")
     if b.dim() == 3 and int(b.shape[0]) == 1:
         b = b[0]
     require_shape(b, "b", (B, H), "[B, H] or [1, B, H]")
 
-    A_log = checked_tensor(A_log, "A_log", device, (torch.float32,))
+    A_log = checked_tensor(A_log, "A_log", device, (torch.float32,), anchor="x")
     require_shape(A_log, "A_log", (H,), "[H]")
     require_unit_stride(A_log, "A_log")
 
-    dt_bias = checked_tensor(dt_bias, "dt_bias", device, (torch.float32,))
+    dt_bias = checked_tensor(dt_bias, "dt_bias", device, (torch.float32,), anchor="x")
     require_shape(dt_bias, "dt_bias", (HK,), "[H*K]")
     require_unit_stride(dt_bias, "dt_bias")
 
@@ -245,10 +247,10 @@ def prepare(
         missing = "norm_weight" if norm_weight is None else "output_gate"
         raise ValueError(f"{missing}: output_gate and norm_weight go together (both for the gated norm, neither for raw o)")
     if output_gate is not None:
-        output_gate = checked_tensor(output_gate, "output_gate", device, ACT_DTYPES)
+        output_gate = checked_tensor(output_gate, "output_gate", device, ACT_DTYPES, anchor="x")
         require_shape(output_gate, "output_gate", (B, H, V), "[B, H, V]")
         require_unit_stride(output_gate, "output_gate")
-        norm_weight = checked_tensor(norm_weight, "norm_weight", device, (torch.bfloat16, torch.float32))
+        norm_weight = checked_tensor(norm_weight, "norm_weight", device, (torch.bfloat16, torch.float32), anchor="x")
         require_shape(norm_weight, "norm_weight", (V,), "[V]")
         require_unit_stride(norm_weight, "norm_weight")
 
@@ -263,7 +265,7 @@ def prepare(
     if out is None:
         out = torch.empty((B, H, V), dtype=x.dtype, device=device)
     else:
-        out = checked_tensor(out, "out", device, (x.dtype,))
+        out = checked_tensor(out, "out", device, (x.dtype,), anchor="x")
         require_shape(out, "out", (B, H, V), "[B, H, V]")
         require_unit_stride(out, "out")
         require_non_overlapping(out, "out")
@@ -275,6 +277,14 @@ def prepare(
     for name, t in (("x", x), ("a", a), ("f_a", f_a), ("output_gate", output_gate), ("out", out)):
         if t is not None and t.shape[0] > 0:
             require_int32_span(t[0], name, "one row")
+
+    require_data(x, "x")  # shapes and strides are checked on meta tensors too
+    # outputs and in-place caches share no memory with any other argument (no host sync)
+    require_disjoint(
+        [("out", out), ("state", state), ("conv_state", conv_state)],
+        [("x", x), ("conv_weight", conv_weight), ("conv_bias", conv_bias), ("a", a), ("f_a", f_a if with_f_b else None),
+         ("f_b_weight", f_b_weight if with_f_b else None), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias),
+         ("state_indices", state_indices), ("output_gate", output_gate), ("norm_weight", norm_weight)])
 
     problem = KDAProblem(
         B=B, H=H, K=K, V=V, W=W, x=x, conv_weight=conv_weight, conv_bias=conv_bias, conv_state=conv_state,

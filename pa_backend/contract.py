@@ -8,12 +8,16 @@ Validation reads no tensor data (no host sync); nothing is written before it pas
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 
 from backend_core.validation import (
+    INT32_MAX,
     checked_tensor,
+    require_data,
+    require_disjoint,
+    may_overlap,
     require_float,
     require_non_overlapping,
     require_shape,
@@ -68,6 +72,7 @@ class PAProblem:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     context_lengths: torch.Tensor  # [num_seqs] int32
     query_start_loc: Optional[torch.Tensor]  # [num_seqs + 1] int32 (prefill) or None (decode)
+    query_start_loc_host: Optional[Tuple[int, ...]]  # its checked values on the host (prefill)
     query_length: int  # decode: rows per sequence; prefill: 0
     num_seqs: int
     Hq: int
@@ -98,8 +103,8 @@ class WriteProblem:
         return self.key.device
 
 
-def _check_cache(key_cache, value_cache, key_scale, value_scale, device) -> KVCache:
-    key_cache = checked_tensor(key_cache, "key_cache", device, FP8_DTYPES)
+def _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor: str) -> KVCache:
+    key_cache = checked_tensor(key_cache, "key_cache", device, FP8_DTYPES, anchor=anchor)
     if key_cache.dim() != 5 or int(key_cache.shape[4]) != 16:
         raise ValueError(f"key_cache: expected shape [num_blocks, Hkv, D/16, block_size, 16], got {list(key_cache.shape)}")
     NB, Hkv, D16, bs, _ = (int(s) for s in key_cache.shape)
@@ -113,7 +118,7 @@ def _check_cache(key_cache, value_cache, key_scale, value_scale, device) -> KVCa
     require_unit_stride(key_cache, "key_cache")
     require_non_overlapping(key_cache, "key_cache")
 
-    value_cache = checked_tensor(value_cache, "value_cache", device, (key_cache.dtype,))
+    value_cache = checked_tensor(value_cache, "value_cache", device, (key_cache.dtype,), anchor=anchor)
     if value_cache.dim() == 4:
         require_shape(value_cache, "value_cache", (NB, Hkv, D, bs), "[num_blocks, Hkv, D, block_size]")
     elif value_cache.dim() == 5:
@@ -124,15 +129,19 @@ def _check_cache(key_cache, value_cache, key_scale, value_scale, device) -> KVCa
             f"got {list(value_cache.shape)}")
     require_unit_stride(value_cache, "value_cache")
     require_non_overlapping(value_cache, "value_cache")
+    if may_overlap(key_cache, value_cache):
+        raise ValueError("value_cache: shares memory with key_cache; the K and V caches must be separate "
+                         "(they may interleave in one allocation, as vLLM's pages do, but no byte may be shared)")
 
     scales = []
     for name, sc in (("key_scale", key_scale), ("value_scale", value_scale)):
-        sc = checked_tensor(sc, name, device, (torch.float32,))
+        sc = checked_tensor(sc, name, device, (torch.float32,), anchor=anchor)
         if sc.dim() == 0 or (sc.dim() == 1 and int(sc.shape[0]) == 1):
             sc = sc.reshape(())
         elif sc.dim() == 3:
             require_shape(sc, name, (NB, Hkv, bs), "[num_blocks, Hkv, block_size] (per token)")
             require_unit_stride(sc, name)
+            require_non_overlapping(sc, name)
         else:
             raise ValueError(f"{name}: expected a per-tensor scale (0-dim or [1]) or per-token [num_blocks, Hkv, "
                              f"block_size] = [{NB}, {Hkv}, {bs}], got shape {list(sc.shape)}")
@@ -142,11 +151,17 @@ def _check_cache(key_cache, value_cache, key_scale, value_scale, device) -> KVCa
 
 def prepare_attention(*, query, key_cache, value_cache, block_tables, context_lengths, key_scale, value_scale,
                       query_length=1, query_start_loc=None, softmax_scale=None, sliding_window=0, sinks=None,
-                      num_partitions=None, out=None, prefill: bool = False) -> PAProblem:
-    """Validate a pa_decode (``prefill=False``) or pa_prefill call. Nothing is written."""
+                      num_partitions=None, out=None, prefill: bool = False,
+                      query_start_loc_host: Optional[Sequence[int]] = None) -> PAProblem:
+    """Validate a pa_decode (``prefill=False``) or pa_prefill call. Nothing is written.
+
+    Decode reads no tensor data. Prefill checks the query offsets on the host: from
+    ``query_start_loc_host`` when the caller holds them (the adapters do: no sync), else by reading
+    ``query_start_loc`` once (a host sync)."""
+    anchor = "query"
     device = require_tensor(query, "query").device
-    query = checked_tensor(query, "query", device, ACT_DTYPES)
-    cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device)
+    query = checked_tensor(query, "query", device, ACT_DTYPES, anchor=anchor)
+    cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor)
     if query.dim() != 3:
         raise ValueError(f"query: expected shape [tokens, Hq, D], got {list(query.shape)}")
     T, Hq, D = (int(s) for s in query.shape)
@@ -156,17 +171,21 @@ def prepare_attention(*, query, key_cache, value_cache, block_tables, context_le
         raise ValueError(f"query: Hq={Hq} must be a multiple of Hkv={cache.Hkv} with a ratio of 1..{MAX_GQA}")
     require_unit_stride(query, "query")
 
-    block_tables = checked_tensor(block_tables, "block_tables", device, INDEX_DTYPES)
+    block_tables = checked_tensor(block_tables, "block_tables", device, INDEX_DTYPES, anchor=anchor)
     if block_tables.dim() != 2 or int(block_tables.shape[1]) < 1:
         raise ValueError(f"block_tables: expected shape [num_seqs, max_blocks], got {list(block_tables.shape)}")
     require_unit_stride(block_tables, "block_tables")
     N = int(block_tables.shape[0])
-    context_lengths = checked_tensor(context_lengths, "context_lengths", device, INDEX_DTYPES)
+    context_lengths = checked_tensor(context_lengths, "context_lengths", device, INDEX_DTYPES, anchor=anchor)
     require_shape(context_lengths, "context_lengths", (N,), "[num_seqs]")
 
+    require_data(query, "query")  # shapes and strides are checked on meta tensors too; data from here on
     if prefill:
-        query_start_loc = checked_tensor(query_start_loc, "query_start_loc", device, INDEX_DTYPES)
+        query_start_loc = checked_tensor(query_start_loc, "query_start_loc", device, INDEX_DTYPES, anchor=anchor)
         require_shape(query_start_loc, "query_start_loc", (N + 1,), "[num_seqs + 1]")
+        if query_start_loc_host is None:
+            query_start_loc_host = query_start_loc.tolist()
+        query_start_loc_host = check_query_start_loc(query_start_loc_host, N, T)
         query_length = 0
     else:
         if isinstance(query_length, bool) or not isinstance(query_length, int):
@@ -176,6 +195,7 @@ def prepare_attention(*, query, key_cache, value_cache, block_tables, context_le
         if T != N * query_length:
             raise ValueError(f"query: expected {N} sequences x query_length {query_length} = {N * query_length} rows, got {T}")
         query_start_loc = None
+        query_start_loc_host = None
 
     softmax_scale = require_float(softmax_scale, "softmax_scale", positive=True, optional=True)
     if softmax_scale is None:
@@ -184,8 +204,10 @@ def prepare_attention(*, query, key_cache, value_cache, block_tables, context_le
         raise TypeError(f"sliding_window: expected an int (0 = off), got {type(sliding_window).__name__}")
     if sliding_window < 0:
         raise ValueError(f"sliding_window: expected >= 0 (0 = off), got {sliding_window}")
+    if sliding_window >= INT32_MAX:
+        sliding_window = 0  # wider than any context the kernels address (int32 positions): no window
     if sinks is not None:
-        sinks = checked_tensor(sinks, "sinks", device, (torch.float32,))
+        sinks = checked_tensor(sinks, "sinks", device, (torch.float32,), anchor=anchor)
         require_shape(sinks, "sinks", (Hq,), "[Hq]")
         require_unit_stride(sinks, "sinks")
     if num_partitions is not None:
@@ -195,29 +217,63 @@ def prepare_attention(*, query, key_cache, value_cache, block_tables, context_le
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     else:
-        out = checked_tensor(out, "out", device, (query.dtype,))
+        out = checked_tensor(out, "out", device, (query.dtype,), anchor=anchor)
         require_shape(out, "out", tuple(query.shape), "the query's shape")
         if not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous tensor, got strides {tuple(out.stride())}")
+        require_disjoint([("out", out)], [
+            ("query", query), ("key_cache", cache.key_cache), ("value_cache", cache.value_cache),
+            ("key_scale", cache.key_scale), ("value_scale", cache.value_scale), ("block_tables", block_tables),
+            ("context_lengths", context_lengths), ("query_start_loc", query_start_loc), ("sinks", sinks)])
     return PAProblem(query=query, cache=cache, block_tables=block_tables, context_lengths=context_lengths,
-                     query_start_loc=query_start_loc, query_length=query_length, num_seqs=N, Hq=Hq,
+                     query_start_loc=query_start_loc, query_start_loc_host=query_start_loc_host,
+                     query_length=query_length, num_seqs=N, Hq=Hq,
                      softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
                      num_partitions=num_partitions, out=out)
 
 
+def check_query_start_loc(values: Sequence[int], num_seqs: int, num_rows: int) -> Tuple[int, ...]:
+    """Host-side check of prefill query offsets: ``num_seqs + 1`` ints, first >= 0, non-decreasing,
+    last <= ``num_rows`` (the query's rows). Returns them as a tuple of ints."""
+    try:
+        qsl = tuple(int(v) for v in values)
+    except (TypeError, ValueError):
+        raise TypeError(f"query_start_loc: expected {num_seqs + 1} integers, got {values!r}") from None
+    if len(qsl) != num_seqs + 1:
+        raise ValueError(f"query_start_loc: expected {num_seqs + 1} offsets (num_seqs + 1), got {len(qsl)}")
+    if qsl[0] < 0:
+        raise ValueError(f"query_start_loc: expected a first offset >= 0, got {qsl[0]}")
+    for s in range(num_seqs):
+        if qsl[s + 1] < qsl[s]:
+            raise ValueError(f"query_start_loc: expected non-decreasing offsets, got {qsl[s]} then {qsl[s + 1]} "
+                             f"(sequence {s})")
+    if qsl[-1] > num_rows:
+        raise ValueError(f"query_start_loc: the last offset {qsl[-1]} is past the query's {num_rows} rows")
+    return qsl
+
+
 def prepare_write(*, key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale) -> WriteProblem:
     """Validate a write_kv call. Nothing is written."""
+    anchor = "key"
     device = require_tensor(key, "key").device
-    key = checked_tensor(key, "key", device, ACT_DTYPES)
-    cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device)
+    key = checked_tensor(key, "key", device, ACT_DTYPES, anchor=anchor)
+    cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor)
     if key.dim() != 3:
         raise ValueError(f"key: expected shape [tokens, Hkv, D], got {list(key.shape)}")
     T = int(key.shape[0])
     require_shape(key, "key", (T, cache.Hkv, cache.D), "[tokens, Hkv, D]")
     require_unit_stride(key, "key")
-    value = checked_tensor(value, "value", device, (key.dtype,))
+    value = checked_tensor(value, "value", device, (key.dtype,), anchor=anchor)
     require_shape(value, "value", (T, cache.Hkv, cache.D), "[tokens, Hkv, D]")
     require_unit_stride(value, "value")
-    slot_mapping = checked_tensor(slot_mapping, "slot_mapping", device, SLOT_DTYPES)
+    slot_mapping = checked_tensor(slot_mapping, "slot_mapping", device, SLOT_DTYPES, anchor=anchor)
     require_shape(slot_mapping, "slot_mapping", (T,), "[tokens]")
+    require_data(key, "key")
+    # the caches (and per-token scales, which the write stores) share no memory with anything else
+    ks, vs = cache.key_scale, cache.value_scale
+    require_disjoint(
+        [("key_cache", cache.key_cache), ("value_cache", cache.value_cache),
+         ("key_scale", ks if cache.k_per_token else None), ("value_scale", vs if cache.v_per_token else None)],
+        [("key", key), ("value", value), ("slot_mapping", slot_mapping),
+         ("key_scale", None if cache.k_per_token else ks), ("value_scale", None if cache.v_per_token else vs)])
     return WriteProblem(key=key, value=value, cache=cache, slot_mapping=slot_mapping)

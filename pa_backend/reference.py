@@ -74,12 +74,16 @@ def run_attention(p: PAProblem, compute_dtype: torch.dtype = torch.float32) -> t
         if p.is_decode:
             r0, ql = s * p.query_length, p.query_length
         else:
-            r0 = int(p.query_start_loc[s])
-            ql = int(p.query_start_loc[s + 1]) - r0
+            r0 = p.query_start_loc_host[s]
+            ql = p.query_start_loc_host[s + 1] - r0
         if ql <= 0:
             continue
         if not 0 <= ctx <= max_tokens:
             raise ValueError(f"context_lengths: sequence {s} has {ctx} tokens; its block table row holds {max_tokens}")
+        ids = p.block_tables[s, :-(-ctx // p.cache.block_size)]
+        if ids.numel() and not bool(((ids >= 0) & (ids < p.cache.num_blocks)).all()):
+            raise ValueError(f"block_tables: sequence {s} names a block outside 0..{p.cache.num_blocks - 1} inside its "
+                             f"{ctx}-token extent (the reference checks this; the kernels do not)")
         k, v = dequantize_tokens(p.cache, p.block_tables[s], ctx, f)
         o = attend_rows(p.query[r0:r0 + ql].to(f), k, v, ctx, ql, softmax_scale=p.softmax_scale,
                         sliding_window=p.sliding_window, sinks=sinks, group=group)
@@ -87,7 +91,7 @@ def run_attention(p: PAProblem, compute_dtype: torch.dtype = torch.float32) -> t
     if p.is_decode:
         return p.out
     # prefill rows outside [qsl[0], qsl[N]) belong to no sequence: zero
-    start, end = int(p.query_start_loc[0]), int(p.query_start_loc[p.num_seqs])
+    start, end = p.query_start_loc_host[0], p.query_start_loc_host[p.num_seqs]
     p.out[:start].zero_()
     p.out[end:].zero_()
     return p.out

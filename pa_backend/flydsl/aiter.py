@@ -62,6 +62,8 @@ def covers(p) -> Tuple[bool, str]:
     if not p.is_decode:
         return False, "pa_prefill: AITER's FlyDSL paged kernel is decode-only"
     c = p.cache
+    if p.num_seqs > 1 and p.context_lengths.stride(0) != 1:
+        return False, "strided context_lengths (AITER's kernel reads them contiguous; the Triton kernel takes strides)"
     if c.block_size not in AITER_BLOCK_SIZES:
         return False, f"block size {c.block_size}: this adapter maps AITER's kernel for blocks of {AITER_BLOCK_SIZES}"
     want = torch.float8_e4m3fnuz if platform.device_info(p.device).arch == "gfx942" else torch.float8_e4m3fn

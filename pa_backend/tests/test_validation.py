@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from backend_core.testing import CORRUPTIONS, corrupt
 
-from pa_backend import pa_decode, pa_prefill, write_kv
+from pa_backend import REGISTRY, pa_decode, pa_prefill, write_kv
 from pa_backend.testing import make_pa_case
 
 
@@ -120,29 +120,89 @@ def test_bad_write_argument(mid, mutate, exc, msg):
 
 
 ARGS = ["query", "key_cache", "value_cache", "block_tables", "context_lengths", "key_scale", "value_scale", "sinks", "out"]
+HAS_TRITON = REGISTRY.get("triton").is_available()[0]
 
 
 @st.composite
-def corruption(draw):
-    return (draw(st.sampled_from(ARGS)),
+def corruption(draw, args):
+    return (draw(st.sampled_from(args)),
             draw(st.sampled_from(CORRUPTIONS)),
             draw(st.sampled_from([torch.float32, torch.bfloat16, torch.int32, torch.int64, torch.float8_e4m3fn,
                                   torch.uint8])),
             draw(st.integers(0, 4)))
 
 
+def _backend(name):
+    return name if name == "torch" or HAS_TRITON else "torch"
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(c=corruption(), seed=st.integers(0, 2**16), scales=st.sampled_from(["tensor", "token"]),
-       v_layout=st.sampled_from(["4d", "5d"]))
-def test_property_malformed_arguments(c, seed, scales, v_layout):
-    case = make_pa_case([3, 17], Hq=4, Hkv=2, D=64, scales=scales, v_layout=v_layout, seed=seed, sinks=True)
+@given(c=corruption(ARGS + ["query_start_loc"]), seed=st.integers(0, 2**16), scales=st.sampled_from(["tensor", "token"]),
+       v_layout=st.sampled_from(["4d", "5d"]), prefill=st.booleans(), backend=st.sampled_from(["torch", "triton"]))
+def test_property_malformed_arguments(c, seed, scales, v_layout, prefill, backend):
+    """Malformed, strided and aliased arguments: a ValueError/TypeError with the cache unchanged, or
+    the reference's answer on the same arguments (strided views are read through their strides)."""
+    backend = _backend(backend)
+
+    def make():
+        return make_pa_case([3, 17], query_lengths=[2, 3] if prefill else None, Hq=4, Hkv=2, D=64, scales=scales,
+                            v_layout=v_layout, seed=seed, sinks=True)
+
+    case = make()
     kw = dict(case.kwargs)
     snap = snapshot(kw)
     corrupt(kw, *c)
+    fn = pa_prefill if prefill else pa_decode
     try:
-        out = pa_decode(**kw, backend="torch")
+        out = fn(**kw, backend=backend)
     except (ValueError, TypeError):
         assert unchanged(case.kwargs, snap), c
         return
     assert unchanged(case.kwargs, snap), c  # attention never writes the cache
-    assert out.shape[0] == kw["query"].shape[0], c
+    assert out.shape == kw["query"].shape, c
+    if c[1] != "strided":
+        return  # other accepted corruptions (an aliased read-only input, ...) may hold any bits: no answer to compare
+    twin = dict(make().kwargs)
+    corrupt(twin, *c)
+    ref = fn(**dict(twin, out=None), backend="torch")
+    assert torch.equal(out.isnan(), ref.isnan()), c
+    assert (out.float() - ref.float()).nan_to_num().abs().max() <= 0.02 * ref.float().nan_to_num().abs().max() + 1e-3, c
+
+
+WRITE_ARGS = ["key", "value", "key_cache", "value_cache", "slot_mapping", "key_scale", "value_scale"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(c=corruption(WRITE_ARGS), seed=st.integers(0, 2**16), scales=st.sampled_from(["tensor", "token"]),
+       backend=st.sampled_from(["torch", "triton"]))
+def test_property_malformed_write_arguments(c, seed, scales, backend):
+    backend = _backend(backend)
+
+    def make():
+        case = make_pa_case([3, 17], Hq=4, Hkv=2, D=64, scales=scales, seed=seed)
+        cw = case.kwargs
+        g = torch.Generator().manual_seed(seed)
+        free = [b for b in range(cw["key_cache"].shape[0]) if b not in case.used_blocks]
+        return dict(key=torch.randn(3, 2, 64, generator=g).bfloat16(), value=torch.randn(3, 2, 64, generator=g).bfloat16(),
+                    key_cache=cw["key_cache"], value_cache=cw["value_cache"],
+                    slot_mapping=torch.tensor([free[0] * 16 + 1, -1, free[1] * 16 + 5]), key_scale=cw["key_scale"],
+                    value_scale=cw["value_scale"])
+
+    orig = make()
+    snap = snapshot(orig)
+    kw = dict(orig)
+    corrupt(kw, *c)
+    try:
+        write_kv(**kw, backend=backend)
+    except (ValueError, TypeError):
+        assert unchanged(orig, snap), c
+        return
+    twin = make()
+    corrupt(twin, *c)
+    write_kv(**twin, backend="torch")
+    for k in ("key_cache", "value_cache", "key_scale", "value_scale"):
+        a, b = kw[k], twin[k]
+        if a.element_size() == 1:
+            assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (c, k)
+        else:
+            assert torch.equal(a.nan_to_num(1e30), b.nan_to_num(1e30)), (c, k)

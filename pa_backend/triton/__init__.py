@@ -96,7 +96,7 @@ def _run_write(p: WriteProblem) -> None:
         return None
     kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
     write_kv_kernel[(T, c.Hkv)](
-        p.key, p.value, kc, vc, ks, vs, p.slot_mapping, c.num_blocks * c.block_size,
+        p.key, p.value, kc, vc, ks, vs, p.slot_mapping, c.num_blocks * c.block_size, p.slot_mapping.stride(0),
         p.key.stride(0), p.key.stride(1), p.value.stride(0), p.value.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
@@ -111,7 +111,7 @@ def _run_write(p: WriteProblem) -> None:
 def _prefill_chunks(p: PAProblem, rows_per_chunk: int):
     """(chunks [n, 4] int32 on the device, first row, end row): each chunk is (sequence, first query
     row, rows, context its last row sees). Reads query_start_loc and context_lengths (host sync)."""
-    qsl = p.query_start_loc.tolist()
+    qsl = p.query_start_loc_host
     ctx = p.context_lengths.tolist()
     items = []
     for s in range(p.num_seqs):
@@ -161,14 +161,14 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
         ks.stride(0) if c.k_per_token else 0, ks.stride(1) if c.k_per_token else 0,
         vs.stride(0) if c.v_per_token else 0, vs.stride(1) if c.v_per_token else 0,
-        p.block_tables.stride(0),
+        p.block_tables.stride(0), p.context_lengths.stride(0),
         HKV=c.Hkv, G=G, QL=QL, BM=BM, D=D, BS=c.block_size, NBP=nbp, BT=bt, QK_DTYPE=_qk_dtype(), PV_DTYPE=tl.float16,
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
         num_warps=warps, num_stages=stages,
     )
     pa_decode_reduce_kernel[(items, c.Hkv)](
         ws_m, ws_l, ws_acc, p.sinks if p.sinks is not None else ws_m, p.out, p.context_lengths, chunks,
-        p.out.stride(0), p.out.stride(1),
+        p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
         HKV=c.Hkv, G=G, QL=QL, BM=BM, D=D, P=P, HAS_SINKS=p.sinks is not None, RAGGED=not p.is_decode,
         num_warps=reduce_warps(D, BM),
     )

@@ -46,7 +46,7 @@ _VSQ: tl.constexpr = tl.constexpr(os.environ.get("PA_PROBE_VSQ", "0") == "1" and
 
 
 @triton.jit
-def _rows_of(p_cl, p_chunks, i_s, QL: tl.constexpr, RAGGED: tl.constexpr):
+def _rows_of(p_cl, stride_cl, p_chunks, i_s, QL: tl.constexpr, RAGGED: tl.constexpr):
     """(table row, first query row, number of rows, visible context) of work item i_s.
 
     Decode: item = sequence, QL rows each. Prefill: item = a chunk of at most QL query rows of one
@@ -61,7 +61,7 @@ def _rows_of(p_cl, p_chunks, i_s, QL: tl.constexpr, RAGGED: tl.constexpr):
         seq = i_s
         q0 = i_s * QL
         nrows = QL
-        ctx = tl.load(p_cl + i_s)
+        ctx = tl.load(p_cl + i_s * stride_cl)
     return seq, q0, nrows, ctx
 
 
@@ -73,7 +73,7 @@ def pa_decode_partition_kernel(
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
     stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
-    stride_bt_s,
+    stride_bt_s, stride_cl,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     NBP: tl.constexpr, BT: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr,
     V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
@@ -94,7 +94,7 @@ def pa_decode_partition_kernel(
     o_16 = tl.arange(0, 16)
     row = o_m // G  # query row within the sequence (decode) or chunk (prefill)
     grp = o_m % G
-    seq, q0, nrows, ctx = _rows_of(p_cl, p_chunks, i_s, QL, RAGGED)
+    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
     m_valid = (o_m < G * QL) & (row < nrows)
     p_qrow = p_q + (q0 + row)[:, None] * stride_q_t + (i_h * G + grp)[:, None] * stride_q_h + o_d[None, :]
     if _QK16:
@@ -188,7 +188,7 @@ def pa_decode_partition_kernel(
 @triton.jit
 def pa_decode_reduce_kernel(
     p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_cl, p_chunks,
-    stride_o_t, stride_o_h,
+    stride_o_t, stride_o_h, stride_cl,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr,
 ):
@@ -198,7 +198,7 @@ def pa_decode_reduce_kernel(
     o_d = tl.arange(0, D)
     row = o_m // G
     grp = o_m % G
-    seq, q0, nrows, ctx = _rows_of(p_cl, p_chunks, i_s, QL, RAGGED)
+    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
     m_valid = (o_m < G * QL) & (row < nrows)
     base = (i_s * HKV + i_h) * P * BM
     m_all = tl.full([BM], float("-inf"), dtype=tl.float32)

@@ -45,7 +45,7 @@ def _quantize_store(b_x, p_cache_tok, o_cache, p_scale_tok, live, FMAX: tl.const
 
 @triton.jit
 def write_kv_kernel(
-    p_k, p_v, p_kc, p_vc, p_ks, p_vs, p_slots, capacity,
+    p_k, p_v, p_kc, p_vc, p_ks, p_vs, p_slots, capacity, stride_slot,
     stride_k_t, stride_k_h, stride_v_t, stride_v_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
@@ -56,7 +56,7 @@ def write_kv_kernel(
     i_t = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     o_d = tl.arange(0, D)
-    slot = tl.load(p_slots + i_t).to(tl.int64)
+    slot = tl.load(p_slots + i_t * stride_slot).to(tl.int64)
     live = (slot >= 0) & (slot < capacity)
     slot = tl.where(live, slot, 0)
     b = slot // BS

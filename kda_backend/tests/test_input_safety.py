@@ -1,0 +1,96 @@
+"""KDA decode inputs the validation accepts never make a kernel touch the wrong memory (issue 14):
+strided index vectors are read through their strides, outputs and in-place caches that overlap any
+other argument are rejected before anything is written, meta tensors raise ValueError."""
+
+import pytest
+import torch
+
+import kda_backend
+from kda_backend.testing import clone_caches, make_case
+
+from .conftest import DEVICE
+
+
+def snapshot(case):
+    return {k: v.clone() for k, v in case.storage.items()}
+
+
+def unchanged(case, snap):
+    return all(torch.equal(case.storage[k].view(torch.uint8), snap[k].view(torch.uint8)) for k in snap)
+
+
+def test_strided_state_indices(impl):
+    case = make_case(B=4, H=2, K=32, W=4, padding=[2], device=DEVICE, seed=5)
+    twin = clone_caches(case)
+    idx = case.kwargs["state_indices"]
+    # the skipped elements name live slot 0: a kernel ignoring the stride would update it twice
+    wide = torch.stack([idx, torch.zeros_like(idx)], 1).reshape(-1)[::2]
+    assert wide.stride(0) == 2 and torch.equal(wide, idx)
+    got = case.call(impl, state_indices=wide)
+    want = twin.call(impl)
+    assert torch.equal(got, want)
+    for k in case.storage:
+        assert torch.equal(case.storage[k].view(torch.uint8), twin.storage[k].view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("target", ["state", "conv_state"])
+def test_out_over_a_cache_is_rejected(impl, target):
+    case = make_case(B=2, H=2, K=32, W=4, conv_layout="channel", device=DEVICE, seed=1)
+    snap = snapshot(case)
+    buf = case.storage[target]
+    out = buf.view(torch.uint8).reshape(-1)[:case.kwargs["out"].numel() * 2].view(torch.bfloat16)
+    out = out.view(case.kwargs["out"].shape)
+    with pytest.raises(ValueError, match=f"out: shares memory with {target}"):
+        case.call(impl, out=out)
+    assert unchanged(case, snap)
+
+
+def test_state_over_conv_state_is_rejected(impl):
+    case = make_case(B=2, H=2, K=32, W=4, state_dtype=torch.bfloat16, conv_layout="channel", device=DEVICE, seed=1)
+    snap = snapshot(case)
+    st = case.kwargs["state"]
+    cs = case.kwargs["conv_state"]
+    # conv_state laid over the state's first slots (both bf16)
+    bad = torch.as_strided(st, cs.shape, (st.stride(0), cs.shape[2], 1), st.storage_offset())
+    with pytest.raises(ValueError, match="state: shares memory with conv_state"):
+        case.call(impl, conv_state=bad)
+    with pytest.raises(ValueError, match="state: shares memory with x"):
+        case.call(impl, x=st.reshape(-1)[:case.kwargs["x"].numel()].view(case.kwargs["x"].shape))
+    assert unchanged(case, snap)
+
+
+def test_in_place_reads_are_rejected(impl):
+    """Inputs read from a cache the call writes (output_gate over out, state_indices over conv_state)."""
+    case = make_case(B=2, H=2, K=32, W=4, device=DEVICE, seed=3)
+    snap = snapshot(case)
+    with pytest.raises(ValueError, match="out: shares memory with output_gate"):
+        case.call(impl, output_gate=case.kwargs["out"])
+    cs_bytes = case.storage["conv_state"].view(torch.uint8).reshape(-1)
+    with pytest.raises(ValueError, match="conv_state: shares memory with state_indices"):
+        case.call(impl, state_indices=cs_bytes[:8].view(torch.int32))
+    assert unchanged(case, snap)
+
+
+def test_conv_and_state_side_by_side_in_one_page_are_accepted(impl):
+    """vLLM's mamba pages: a slot's conv state and recurrent state share one page (interleaved
+    extents, disjoint bytes): accepted, and the result equals separate buffers."""
+    case = make_case(B=3, H=2, K=32, W=4, conv_layout="width", device=DEVICE, seed=4)
+    twin = clone_caches(case)
+    st, cs = case.kwargs["state"], case.kwargs["conv_state"]
+    slots, C = st.shape[0], cs.shape[1]
+    conv_bytes, state_bytes = 3 * C * 2, st[0].numel() * 4
+    page = torch.zeros(slots, conv_bytes + state_bytes + 64, dtype=torch.uint8, device=DEVICE)
+    pc = page[:, :conv_bytes].view(torch.bfloat16).view(slots, 3, C)
+    ps = page[:, conv_bytes:conv_bytes + state_bytes].view(torch.float32).view(st.shape)
+    pc.copy_(cs.transpose(1, 2))
+    ps.copy_(st)
+    got = case.call(impl, conv_state=pc.transpose(1, 2), state=ps)
+    want = twin.call(impl)
+    assert torch.equal(got, want)
+    assert torch.equal(ps, twin.kwargs["state"]) and torch.equal(pc.transpose(1, 2), twin.kwargs["conv_state"])
+
+
+def test_meta_tensors_raise_value_error():
+    case = make_case(B=2, H=1, K=32, W=4, device="meta")
+    with pytest.raises(ValueError, match="x: expected a tensor with data, got one on the meta device"):
+        kda_backend.kda_decode(**case.kwargs, backend="torch")

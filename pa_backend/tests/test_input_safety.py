@@ -1,0 +1,240 @@
+"""Inputs the validation accepts must never make a kernel read or write the wrong memory (issue 14).
+
+Each case runs on the torch reference and the Triton kernels (the interpreter on CPU): either the
+right answer, or a ValueError/TypeError naming the argument with every cache bit-identical.
+"""
+
+import pytest
+import torch
+
+from pa_backend import REGISTRY, pa_decode, pa_prefill, write_kv
+from pa_backend.testing import make_pa_case
+
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not REGISTRY.get("triton").is_available()[0],
+                                                                  reason="triton not usable here"))]
+CACHE_ARGS = ("key_cache", "value_cache", "key_scale", "value_scale")
+
+
+def case(**kw):
+    params = dict(context_lengths=[5, 20, 9], Hq=4, Hkv=2, D=64, seed=1, device=DEVICE)
+    params.update(kw)
+    return make_pa_case(**params)
+
+
+def snap(kw):
+    return {k: kw[k].view(torch.uint8).clone() if kw[k].element_size() == 1 else kw[k].clone() for k in CACHE_ARGS}
+
+
+def same_bytes(kw, before):
+    for k, v in before.items():
+        now = kw[k].view(torch.uint8) if kw[k].element_size() == 1 else kw[k]
+        if not torch.equal(now.view(torch.uint8) if now.element_size() == 1 else now.nan_to_num(1e30),
+                           v.view(torch.uint8) if v.element_size() == 1 else v.nan_to_num(1e30)):
+            return False
+    return True
+
+
+def strided(t: torch.Tensor, junk: int = 10**6) -> torch.Tensor:
+    """The same values as ``t`` (1-D) with stride 2; the skipped elements hold junk."""
+    base = torch.stack([t, torch.full_like(t, junk)], 1).reshape(-1)
+    v = base[::2]
+    assert v.stride(0) == 2 and torch.equal(v, t)
+    return v
+
+
+# --- 1. write_kv reads slot_mapping through its stride --------------------------------------------
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("scales", ["tensor", "token"])
+def test_write_kv_strided_slot_mapping(impl, scales):
+    c = case(scales=scales)
+    kw = c.kwargs
+    free = [b for b in range(kw["key_cache"].shape[0]) if b not in c.used_blocks]
+    slots = torch.tensor([free[0] * 16 + 3, free[1] * 16 + 7, -1, free[0] * 16 + 9], dtype=torch.int32,
+                         device=DEVICE)
+    g = torch.Generator().manual_seed(3)
+    key = torch.randn(4, 2, 64, generator=g).bfloat16().to(DEVICE)
+    value = torch.randn(4, 2, 64, generator=g).bfloat16().to(DEVICE)
+    caches = [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()} for _ in range(2)]
+    for kv, sm in ((caches[0], slots), (caches[1], strided(slots, junk=free[2] * 16))):
+        write_kv(key, value, kv["key_cache"], kv["value_cache"], sm, kv["key_scale"], kv["value_scale"],
+                 backend=impl)
+    for k in CACHE_ARGS:  # the junk between the strided slots names a free block: it must stay untouched
+        a, b = caches[0][k], caches[1][k]
+        assert torch.equal(a.view(torch.uint8) if a.element_size() == 1 else a.nan_to_num(1e30),
+                           b.view(torch.uint8) if b.element_size() == 1 else b.nan_to_num(1e30)), k
+    before = snap(kw)
+    assert not same_bytes(caches[0], before)  # the write did something
+
+
+# --- 2. pa_decode / pa_prefill read context_lengths (and query_start_loc) through their strides ---
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("prefill", [False, True])
+def test_strided_index_vectors(impl, prefill):
+    c = case(query_lengths=[2, 5, 1] if prefill else None)
+    kw = dict(c.kwargs, out=None)
+    want = c.call(impl, out=None)
+    over = dict(context_lengths=strided(kw["context_lengths"]))
+    if prefill:
+        over["query_start_loc"] = strided(kw["query_start_loc"])
+    got = c.call(impl, out=None, **over)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_block_table_rows(impl):
+    """A table sliced out of a wider buffer (row stride > width) is read through its row stride."""
+    c = case()
+    bt = c.kwargs["block_tables"]
+    wide = torch.full((bt.shape[0], bt.shape[1] + 5), 10**6, dtype=torch.int32, device=DEVICE)
+    wide[:, :bt.shape[1]] = bt
+    assert torch.equal(c.call(impl, out=None, block_tables=wide[:, :bt.shape[1]]), c.call(impl, out=None))
+
+
+# --- 3. pa_prefill checks query_start_loc on the host before any launch ---------------------------
+BAD_QSL = [
+    ("past-the-rows", [0, 2, 7, 9], "the last offset 9 is past the query's 8 rows"),
+    ("decreasing", [0, 5, 3, 8], "expected non-decreasing offsets, got 5 then 3"),
+    ("negative", [-2, 2, 7, 8], "expected a first offset >= 0, got -2"),
+]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("qid,qsl,msg", BAD_QSL, ids=[b[0] for b in BAD_QSL])
+def test_prefill_bad_query_start_loc(impl, qid, qsl, msg):
+    c = case(query_lengths=[2, 5, 1])
+    kw = c.kwargs
+    before = snap(kw)
+    with pytest.raises(ValueError, match="query_start_loc: " + msg.replace("[", r"\[")):
+        pa_prefill(**dict(kw, query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=DEVICE)), backend=impl)
+    assert same_bytes(kw, before)
+    assert torch.isnan(kw["out"]).all()
+    # a valid call afterwards still works (nothing was corrupted)
+    assert torch.isfinite(c.call(impl, out=None)).all()
+
+
+def test_prefill_host_offsets_are_checked_too():
+    c = case(query_lengths=[2, 5, 1])
+    with pytest.raises(ValueError, match="query_start_loc: expected non-decreasing"):
+        from pa_backend.contract import prepare_attention
+        prepare_attention(**c.kwargs, prefill=True, query_start_loc_host=[0, 5, 3, 8])
+
+
+# --- 4. aliasing: outputs and written caches share no memory with any other argument --------------
+def _bf16_over(t: torch.Tensor, shape) -> torch.Tensor:
+    """A contiguous bf16 tensor of ``shape`` laid over ``t``'s first bytes."""
+    n = 1
+    for s in shape:
+        n *= s
+    return t.view(torch.uint8).reshape(-1)[:2 * n].view(torch.bfloat16).view(*shape)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_out_over_a_cache_is_rejected(impl):
+    c = case()
+    kw = c.kwargs
+    before = snap(kw)
+    for name in ("key_cache", "value_cache"):
+        bad = _bf16_over(kw[name], tuple(kw["query"].shape))
+        with pytest.raises(ValueError, match=f"out: shares memory with {name}"):
+            pa_decode(**dict(kw, out=bad), backend=impl)
+    with pytest.raises(ValueError, match="out: shares memory with query"):
+        pa_decode(**dict(kw, out=kw["query"]), backend=impl)
+    assert same_bytes(kw, before)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_value_cache_over_key_cache_is_rejected(impl):
+    c = case(v_layout="5d")
+    kw = c.kwargs
+    before = snap(kw)
+    kc = kw["key_cache"]  # [NB, Hkv, D/16, bs, 16] and [NB, Hkv, bs/16, D, 16] hold the same bytes per block
+    vc = kc.view(kc.shape[0], kc.shape[1], 1, 64, 16)
+    with pytest.raises(ValueError, match="value_cache: shares memory with key_cache"):
+        pa_decode(**dict(kw, value_cache=vc), backend=impl)
+    with pytest.raises(ValueError, match="value_cache: shares memory with key_cache"):
+        write_kv(kw["query"][:1, :2], kw["query"][:1, :2], kc, vc, torch.tensor([0], device=DEVICE),
+                 kw["key_scale"], kw["value_scale"], backend=impl)
+    assert same_bytes(kw, before)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_write_kv_aliasing_is_rejected(impl):
+    c = case(scales="token")
+    kw = c.kwargs
+    before = snap(kw)
+    kc, vc, ks, vs = (kw[k] for k in CACHE_ARGS)
+    key = torch.randn(3, 2, 64).bfloat16().to(DEVICE)
+    slots = torch.tensor([1, 2, 3], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="key_scale: shares memory with value_scale"):
+        write_kv(key, key, kc, vc, slots, ks, ks, backend=impl)
+    with pytest.raises(ValueError, match="key_cache: shares memory with key"):
+        write_kv(_bf16_over(kc, (3, 2, 64)), key, kc, vc, slots, ks, vs, backend=impl)
+    with pytest.raises(ValueError, match="value_cache: shares memory with slot_mapping"):
+        write_kv(key, key, kc, vc, vc.view(torch.uint8).reshape(-1)[:12].view(torch.int32), ks, vs, backend=impl)
+    # per-token scales whose blocks overlap (stride 0): every block would share one scale row
+    with pytest.raises(ValueError, match="key_scale: elements overlap"):
+        write_kv(key, key, kc, vc, slots, ks[:1].expand(ks.shape), vs, backend=impl)
+    assert same_bytes(kw, before)
+
+
+def test_interleaved_k_and_v_pages_are_accepted():
+    """vLLM's layout: a block's K page and V page side by side in one allocation — extents
+    interleave, bytes do not: accepted, and the write lands in the right pages."""
+    NB, Hkv, D, bs = 6, 2, 64, 16
+    raw = torch.zeros(NB, 2, bs * Hkv * D, dtype=torch.uint8, device=DEVICE)
+    page = bs * Hkv * D
+    kc = raw.as_strided((NB, Hkv, D // 16, bs, 16), (2 * page, bs * D, bs * 16, 16, 1), 0).view(torch.float8_e4m3fn)
+    vc = raw.as_strided((NB, Hkv, bs // 16, D, 16), (2 * page, bs * D, 16 * D, 16, 1), page).view(torch.float8_e4m3fn)
+    one = torch.tensor(1.0, device=DEVICE)
+    key = torch.ones(2, Hkv, D).bfloat16().to(DEVICE)
+    write_kv(key, -key, kc, vc, torch.tensor([0, 17], device=DEVICE), one, one, backend="torch")
+    assert (kc[0, :, :, 0].float() == 1).all() and (vc[1, :, 0, :, 1].float() == -1).all()
+
+
+# --- 5. smaller items ---------------------------------------------------------------------------
+@pytest.mark.parametrize("prefill", [False, True])
+def test_meta_tensors_raise_value_error(prefill):
+    c = case(query_lengths=[2, 5, 1] if prefill else None)
+    kw = {k: (v.to("meta") if isinstance(v, torch.Tensor) else v) for k, v in c.kwargs.items()}
+    with pytest.raises(ValueError, match="query: expected a tensor with data, got one on the meta device"):
+        (pa_prefill if prefill else pa_decode)(**kw, backend="torch")
+    with pytest.raises(ValueError, match="key: expected a tensor with data"):
+        write_kv(kw["query"][:, :2], kw["query"][:, :2], kw["key_cache"], kw["value_cache"],
+                 torch.zeros(8, dtype=torch.int32, device="meta"), kw["key_scale"], kw["value_scale"], backend="torch")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("window", [2**31 - 1, 2**63, 2**64, 10**30])
+def test_huge_sliding_window_is_no_window(impl, window):
+    c = case()
+    assert torch.equal(c.call(impl, out=None, sliding_window=window), c.call(impl, out=None, sliding_window=0))
+
+
+def test_device_mismatch_names_the_anchor_argument(monkeypatch):
+    """PA has no ``x``: the message names ``query`` (decode/prefill) or ``key`` (write_kv)."""
+    import pa_backend.contract as contract
+
+    seen = []
+    real = contract.checked_tensor
+    monkeypatch.setattr(contract, "checked_tensor",
+                        lambda t, name, device, dtypes, anchor=None: seen.append(anchor) or real(t, name, device, dtypes,
+                                                                                                  anchor=anchor))
+    c = case()  # its cache is filled through write_kv: anchored at key
+    assert set(seen) == {"key"}
+    seen.clear()
+    pa_decode(**c.kwargs, backend="torch")
+    assert set(seen) == {"query"}
+    with pytest.raises(ValueError, match=r"block_tables: expected a tensor on cuda:0 \(the device of query\), got one on cpu"):
+        real(c.kwargs["block_tables"], "block_tables", torch.device("cuda:0"), (torch.int32,), anchor="query")
+
+
+def test_block_id_past_the_cache_raises_in_the_reference():
+    c = case()
+    kw = c.kwargs
+    bt = kw["block_tables"].clone()
+    bt[1, 0] = kw["key_cache"].shape[0] + 3  # inside sequence 1's extent
+    before = snap(kw)
+    with pytest.raises(ValueError, match="block_tables: sequence 1 names a block outside"):
+        pa_decode(**dict(kw, block_tables=bt), backend="torch")
+    assert same_bytes(kw, before)
