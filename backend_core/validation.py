@@ -190,8 +190,8 @@ def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     non-intersecting intervals, they cannot meet. Anything it cannot prove disjoint counts as
     overlapping.
     """
-    if a.numel() == 0 or b.numel() == 0:
-        return False
+    if a.numel() == 0 or b.numel() == 0 or a.device.type == "meta" or b.device.type == "meta":
+        return False  # no memory (meta tensors are rejected by require_data)
     return not _disjoint(_addresses(a), _addresses(b))
 
 
@@ -201,7 +201,8 @@ def require_disjoint(written: Sequence[Tuple[str, Optional[torch.Tensor]]],
     other argument, written or read: a kernel writing one would corrupt the other (or read what it
     just wrote). ``None`` and empty tensors are skipped. Raises ValueError naming both arguments."""
     def live(pairs):
-        return [(n, t, _addresses(t)) for n, t in pairs if isinstance(t, torch.Tensor) and t.numel()]
+        return [(n, t, _addresses(t)) for n, t in pairs
+                if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta"]
 
     w = live(written)
     items = w + live(others)

@@ -152,15 +152,19 @@ def cmd_bench(args) -> int:
     from backend_core import platform
     from backend_core.timing import today, write_rows
 
+    if args.op == "pa" and args.host:
+        return _bench_pa_host(args)
     if not platform.has_gpu():
-        print("bench needs a CUDA/ROCm GPU; this machine has none (timings on the CPU interpreter mean nothing)")
+        print("bench needs a CUDA/ROCm GPU; this machine has none (timings on the CPU interpreter mean nothing); "
+              "`bench pa --host` measures the per-layer host time on any machine")
         return 2
     import torch
 
     if args.op == "pa":
         from pa_backend.benchmark import run_bench as run_pa
 
-        rows = run_pa(impls=args.impl.split(","), trials=max(args.trials, 30), baseline=not args.no_baseline)
+        rows = run_pa(impls=args.impl.split(","), trials=max(args.trials, 30), baseline=not args.no_baseline,
+                      table_tokens=args.table_tokens)
     else:
         from kda_backend.benchmark import run_bench
 
@@ -173,6 +177,24 @@ def cmd_bench(args) -> int:
     out = Path(args.out) if args.out else Path("benchmarks/results") / f"{args.op}_decode_{dev}_{today()}.csv"
     write_rows(out, rows)
     print(f"{len(rows)} rows appended to {out}")
+    return 0
+
+
+def _bench_pa_host(args) -> int:
+    """Host time of one layer's paged-attention call on this machine: ``plan.run`` (the adapters'
+    per-layer call) against the eager op, with an implementation that returns at once (only the
+    host side is timed; on a GPU the full ``bench pa`` also times it with the real kernels)."""
+    import torch
+
+    from pa_backend.benchmark import bench_case, host_overhead
+
+    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    kw = bench_case(8, 1024, 1, 32, 8, 128, 16, "tensor", dev, table_tokens=args.table_tokens)
+    res = host_overhead(kw, layers=args.trials * 20, backend="null")
+    print(f"pa host time per layer call ({dev}, B=8, Hq=32, Hkv=8, table {args.table_tokens} tokens, "
+          "implementation = null):")
+    for k, v in res.items():
+        print(f"  {k:10s} {v:8.1f} us")
     return 0
 
 
@@ -200,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--trials", type=int, default=50)
     b.add_argument("--no-fla", action="store_true", help="kda: skip the composed fla-core baseline")
     b.add_argument("--no-baseline", action="store_true", help="pa: skip the torch gather + SDPA baseline")
+    b.add_argument("--table-tokens", type=int, default=1 << 17,
+                   help="pa: block-table width in tokens (a server's max-model-len; default 131072)")
+    b.add_argument("--host", action="store_true",
+                   help="pa: only the per-layer host time (plan.run vs the eager op); runs on CPU too")
     b.add_argument("--out", default=None, help="CSV path (default benchmarks/results/kda_decode_<device>_<date>.csv)")
     return p
 

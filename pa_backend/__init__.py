@@ -2,6 +2,8 @@
 
 from .api import REGISTRY, is_pa_decode_supported, pa_decode, pa_prefill, write_kv
 from .fp8 import fp8_dtype_for, fp8_max
+from .plan import PAPlan, plan_decode, plan_prefill
 from .planner import reserve
 
-__all__ = ["pa_decode", "pa_prefill", "write_kv", "is_pa_decode_supported", "reserve", "fp8_dtype_for", "fp8_max", "REGISTRY"]
+__all__ = ["pa_decode", "pa_prefill", "write_kv", "plan_decode", "plan_prefill", "PAPlan", "is_pa_decode_supported",
+           "reserve", "fp8_dtype_for", "fp8_max", "REGISTRY"]

@@ -1,4 +1,12 @@
-"""``flydsl-backends bench pa``: FP8 paged decode timed by CUDA-graph replay, and prefill.
+"""``flydsl-backends bench pa``: FP8 paged attention at serving shape (DESIGN §4.1).
+
+Every case uses block tables as wide as a server's (``table_tokens``, default 128k tokens, or the
+context when longer): the columns past each sequence's context hold garbage block ids, as stale
+entries in a real server's tables do. Each row states its table width. Decode is timed by CUDA-graph
+replay of a shape-only plan (``plan_decode``; what a server captures) and eagerly; prefill by graph
+replay of a planned batch. ``exact`` rows repeat two cases with exact-width tables, so the cost of
+the width shows directly. ``host`` rows give the host time of one layer's call: ``plan.run`` (what
+the adapters call per layer) against the eager op (validation, selection and planning per call).
 
 Caches are built on the device (random FP8 bytes drawn from a normal, random block permutation),
 so the 10 GB configurations start in seconds. Logical bytes = the K and V bytes of every context
@@ -20,33 +28,46 @@ from .verify import ACCURACY_TARGET
 
 __all__ = ["bench_case", "gather_sdpa", "run_bench", "accuracy", "DEFAULT_CONFIGS", "PREFILL_CONFIGS", "kv_bytes"]
 
-# (B, context, query_length, Hq, Hkv, D, block_size, scales): the issue's targets, then variants
+TABLE_TOKENS = 1 << 17  # a server's max-model-len (vLLM's block_table_tensor, SGLang's req_to_token width)
+
+# (B, context, query_length, Hq, Hkv, D, block_size, scales): the targets, then variants
 DEFAULT_CONFIGS: List[Tuple[int, int, int, int, int, int, int, str]] = [
     (81, 8192, 1, 16, 1, 128, 16, "tensor"),
     (200, 32768, 1, 16, 1, 128, 16, "tensor"),
     (200, 200_000, 4, 16, 1, 128, 16, "tensor"),
+    (32, 2048, 1, 32, 8, 128, 16, "tensor"),
     (81, 8192, 1, 16, 1, 128, 64, "tensor"),
     (81, 8192, 1, 8, 1, 128, 16, "tensor"),
     (81, 8192, 1, 16, 1, 128, 16, "token"),
 ]
+# the same cases with exact-width tables (the convenient shape: the difference is the width's cost)
+EXACT_CONFIGS = [DEFAULT_CONFIGS[0], DEFAULT_CONFIGS[3]]
+# a mixed batch: B=64 contexts spread over 100..32k in one 128k-wide table
+MIXED_CONFIG = (64, (100, 32768), 1, 16, 1, 128, 16, "tensor")
 
 
-def kv_bytes(B: int, ctx: int, Hkv: int, D: int, scales: str) -> int:
-    n = 2 * B * ctx * Hkv * D  # FP8 K and V, one byte each
-    return n + (2 * B * ctx * Hkv * 4 if scales == "token" else 0)
+def kv_bytes(B: int, ctx, Hkv: int, D: int, scales: str) -> int:
+    """FP8 K and V bytes of every context token (``ctx``: one length or a list per sequence)."""
+    tokens = sum(ctx) if isinstance(ctx, (list, tuple)) else B * ctx
+    n = 2 * tokens * Hkv * D
+    return n + (2 * tokens * Hkv * 4 if scales == "token" else 0)
 
 
-def bench_case(B: int, ctx: int, ql: int, Hq: int, Hkv: int, D: int, bs: int, scales: str, device,
-               fp8_dtype: torch.dtype = torch.float8_e4m3fn, seed: int = 0,
-               tables: str = "random") -> Dict[str, object]:
-    """pa_decode keyword arguments for B sequences of ``ctx`` tokens, built on ``device``.
-    ``tables="random"`` scatters each sequence's pages over the whole cache (a long-running
-    server's pool); ``"sequential"`` gives each sequence consecutive blocks (page locality)."""
+def bench_case(B: int, ctx, ql: int, Hq: int, Hkv: int, D: int, bs: int, scales: str, device,
+               fp8_dtype: torch.dtype = torch.float8_e4m3fn, seed: int = 0, tables: str = "random",
+               table_tokens: int = 0) -> Dict[str, object]:
+    """pa_decode keyword arguments for B sequences of ``ctx`` tokens (an int, or one per sequence),
+    built on ``device``. ``tables="random"`` scatters each sequence's pages over the whole cache (a
+    long-running server's pool); ``"sequential"`` gives each sequence consecutive blocks.
+    ``table_tokens``: the table's width in tokens (0: exactly the longest context); the columns
+    past a sequence's context hold garbage block ids (anywhere in the cache)."""
     if tables not in ("random", "sequential"):
         raise ValueError(f"tables={tables!r}: expected 'random' or 'sequential'")
+    lens = list(ctx) if isinstance(ctx, (list, tuple)) else [ctx] * B
     g = torch.Generator(device=device).manual_seed(seed)
-    nb = -(-ctx // bs)
-    NB = B * nb + 1
+    nbs = [-(-c // bs) for c in lens]
+    width = max(max(nbs), -(-table_tokens // bs))
+    NB = sum(nbs) + 1
     kc = torch.empty((NB, Hkv, D // 16, bs, 16), dtype=fp8_dtype, device=device)
     vc = torch.empty((NB, Hkv, D, bs), dtype=fp8_dtype, device=device)
     for cache in (kc, vc):  # in chunks: a bf16 staging copy of 10 GB of FP8 would not fit comfortably
@@ -56,7 +77,11 @@ def bench_case(B: int, ctx: int, ql: int, Hq: int, Hkv: int, D: int, bs: int, sc
             part.copy_((torch.randn(part.shape, generator=g, device=device) * 64).clamp_(-240, 240).to(fp8_dtype))
     order = (torch.randperm(NB - 1, generator=g, device=device) if tables == "random"
              else torch.arange(NB - 1, device=device))
-    block_tables = order[: B * nb].view(B, nb).to(torch.int32)
+    block_tables = torch.randint(0, NB, (B, width), generator=g, device=device, dtype=torch.int32)  # garbage
+    start = 0
+    for s, nb in enumerate(nbs):
+        block_tables[s, :nb] = order[start:start + nb].to(torch.int32)
+        start += nb
     if scales == "tensor":
         ks, vs = torch.tensor(0.02, device=device), torch.tensor(0.015, device=device)
     else:
@@ -64,18 +89,21 @@ def bench_case(B: int, ctx: int, ql: int, Hq: int, Hkv: int, D: int, bs: int, sc
         vs = torch.rand((NB, Hkv, bs), generator=g, device=device) * 0.02 + 0.01
     return dict(query=torch.randn((B * ql, Hq, D), generator=g, device=device).to(torch.bfloat16),
                 key_cache=kc, value_cache=vc, block_tables=block_tables,
-                context_lengths=torch.full((B,), ctx, dtype=torch.int32, device=device),
+                context_lengths=torch.tensor(lens, dtype=torch.int32, device=device),
                 key_scale=ks, value_scale=vs, query_length=ql)
 
 
 def gather_sdpa(query, key_cache, value_cache, block_tables, context_lengths, key_scale, value_scale,
                 query_length: int = 1, **_) -> torch.Tensor:
-    """Baseline: gather every sequence's pages, dequantize, SDPA. Assumes every context fills its
-    table row exactly and the 4-D V layout (what ``bench_case`` builds), so it needs no host sync."""
-    B, nb = block_tables.shape
+    """Baseline: gather every sequence's pages, dequantize, SDPA. Assumes one context length, a
+    multiple of the block size, given as ``ctx`` (what ``bench_case`` builds with ``ctx % bs == 0``:
+    only the first ctx / bs table columns are gathered), and the 4-D V layout; no host sync."""
     NB, Hkv, D16, bs, _ = key_cache.shape
+    ctx = int(_["ctx"])
+    nb = ctx // bs
+    block_tables = block_tables[:, :nb]
+    B = int(block_tables.shape[0])
     D = D16 * 16
-    ctx = nb * bs
     dt = query.dtype
     k = key_cache[block_tables.long()]  # [B, nb, Hkv, D/16, bs, 16]
     k = k.permute(0, 2, 1, 4, 3, 5).reshape(B, Hkv, ctx, D).to(dt)
@@ -104,6 +132,7 @@ def gather_sdpa(query, key_cache, value_cache, block_tables, context_lengths, ke
 PREFILL_CONFIGS: List[Tuple[int, int, int, int, int, int, int, str]] = [
     (4, 6144, 2048, 32, 8, 128, 16, "tensor"),
     (8, 0, 1024, 32, 8, 128, 16, "tensor"),
+    (1, 30720, 2048, 32, 8, 128, 16, "tensor"),  # chunked prefill: 2048 new tokens on a 30k prefix
 ]
 
 
@@ -135,12 +164,54 @@ def _baseline_fits(B: int, ctx: int, Hkv: int, D: int, ql: int, Hq: int) -> Tupl
     return True, ""
 
 
+def host_overhead(kw: Dict[str, object], layers: int = 200, backend: str = "triton") -> Dict[str, float]:
+    """Host microseconds of one layer's call, with the work queued but not waited for: ``plan.run``
+    (the plan made once, as the adapters do per batch) and the eager ``pa_decode`` (everything per
+    call). ``backend="null"`` times the host side only (an implementation that returns at once: how
+    the CPU run measures it)."""
+    import time
+
+    from . import REGISTRY, pa_decode, plan_decode
+    from backend_core.registry import Implementation
+
+    args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+    out = torch.empty_like(kw["query"])
+    null = backend == "null"
+    if null and "null" not in REGISTRY.names():
+        REGISTRY.register(Implementation("null", lambda: (True, "host-time probe"), lambda p: (True, "ok"),
+                                         lambda p: p.out, "returns at once (bench host-time probe)"))
+    dev = kw["query"].device
+    res = {}
+    try:
+        plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=int(kw["query_length"]))
+        for name, fn in (("plan.run", lambda: plan.run(**args, out=out, backend=backend)),
+                         ("pa_decode", lambda: pa_decode(**args, block_tables=kw["block_tables"],
+                                                         context_lengths=kw["context_lengths"],
+                                                         query_length=int(kw["query_length"]), out=out,
+                                                         backend=backend))):
+            for _ in range(5):
+                fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            for _ in range(layers):
+                fn()
+            res[name] = (time.perf_counter() - t0) / layers * 1e6
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+    finally:
+        if null:
+            REGISTRY._impls.pop("null", None)
+    return res
+
+
 def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] = ("triton",), trials: int = 30,
               baseline: bool = True, prefill_configs: Sequence[Tuple] = PREFILL_CONFIGS,
-              progress=print) -> List[Dict[str, object]]:
-    """Decode rows (CUDA-graph replay, median of ``trials``) and prefill rows (eager: the Triton
-    prefill reads its metadata on the host), each implementation's accuracy in the notes."""
-    from . import REGISTRY, pa_decode, pa_prefill
+              table_tokens: int = TABLE_TOKENS, progress=print) -> List[Dict[str, object]]:
+    """Decode rows (graph replay of a shape-only plan, and eager), the exact-width and mixed-batch
+    cases, prefill rows (graph replay of a planned batch) and the per-layer host time; each
+    implementation's accuracy in the notes."""
+    from . import REGISTRY, pa_decode, plan_decode, plan_prefill
 
     usable = []
     for impl in impls:
@@ -153,36 +224,57 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
     run = bench_context(progress)
     dev, copy = run.device, run.copy_gbps
     rows: List[Dict[str, object]] = []
-    jobs = [("pa_decode", c) for c in configs] + [("pa_prefill", c) for c in prefill_configs]
-    for op, (B, ctx, ql, Hq, Hkv, D, bs, scales) in jobs:
+    jobs = ([("pa_decode", c, table_tokens) for c in configs] + [("pa_decode", c, 0) for c in EXACT_CONFIGS]
+            + [("pa_decode", MIXED_CONFIG, table_tokens)] + [("pa_prefill", c, table_tokens) for c in prefill_configs])
+    for op, (B, ctx, ql, Hq, Hkv, D, bs, scales), width in jobs:
         prefill = op == "pa_prefill"
-        if prefill:  # ctx is the cached prefix, ql the new tokens
+        mixed = isinstance(ctx, tuple)
+        if mixed:  # contexts spread evenly over the range, in a shuffled order
+            lo, hi = ctx
+            g = torch.Generator().manual_seed(1)
+            lens = [int(x) for x in torch.linspace(lo, hi, B)[torch.randperm(B, generator=g)]]
+            total, new = lens, ql
+        elif prefill:  # ctx is the cached prefix, ql the new tokens
             total, new = ctx + ql, ql
         else:
             total, new = ctx, ql
-        kw = bench_case(B, total, new, Hq, Hkv, D, bs, scales, dev)
+        kw = bench_case(B, total, new, Hq, Hkv, D, bs, scales, dev, table_tokens=width)
+        tw = int(kw["block_tables"].shape[1]) * bs
         if prefill:
             kw.pop("query_length")
-            kw["query_start_loc"] = torch.arange(0, B + 1, dtype=torch.int32, device=dev) * new
+            qsl_host = [i * new for i in range(B + 1)]
+            kw["query_start_loc"] = torch.tensor(qsl_host, dtype=torch.int32, device=dev)
         nbytes = kv_bytes(B, total, Hkv, D, scales)
-        flops = 4 * B * Hq * D * sum(total - new + 1 + i for i in range(new))
-        shape = (f"B={B} ctx={total} ql={new} Hq={Hq} Hkv={Hkv} D={D} page={bs} scales={scales}"
-                 + (f" prefix={ctx}" if prefill else ""))
+        ctx_desc = f"{min(total)}..{max(total)}" if mixed else str(total)
+        flops = 0 if mixed else 4 * B * Hq * D * sum(total - new + 1 + i for i in range(new))
+        shape = (f"B={B} ctx={ctx_desc} ql={new} Hq={Hq} Hkv={Hkv} D={D} page={bs} scales={scales} table={tw}"
+                 + (f" prefix={ctx}" if prefill else "") + (" mixed" if mixed else "") + (" exact" if not width else ""))
         out = torch.empty_like(kw["query"])
-        call = pa_prefill if prefill else pa_decode
-        fns = {impl: (lambda i, impl=impl: call(**kw, out=out, backend=impl)) for impl in impls}
-        if baseline:
+        args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+        fns = {}
+        for impl in impls:
+            if prefill:
+                plan = plan_prefill(kw["block_tables"], kw["query_start_loc"], kw["context_lengths"],
+                                    query_start_loc_host=qsl_host, backend=impl)
+                fns[impl] = ("graph", lambda i, plan=plan: plan.run(**args, out=out))
+            else:
+                plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=new, backend=impl)
+                fns[impl] = ("graph", lambda i, plan=plan: plan.run(**args, out=out))
+                fns[impl + "_eager"] = ("eager", lambda i, impl=impl: pa_decode(
+                    **args, block_tables=kw["block_tables"], context_lengths=kw["context_lengths"], query_length=new,
+                    out=out, backend=impl))
+        if baseline and not mixed and total % bs == 0:
             fits, why = _baseline_fits(B, total, Hkv, D, new, Hq)
             if fits:
-                fns["torch_gather_sdpa"] = lambda i: gather_sdpa(**{**kw, "query_length": new})
+                fns["torch_gather_sdpa"] = ("graph", lambda i: gather_sdpa(**{**kw, "query_length": new, "ctx": total}))
             else:
                 progress(f"  {shape}: torch_gather_sdpa skipped ({why})")
         line = f"  {op} {shape}:"
-        for name, fn in fns.items():
+        for name, (mode, fn) in fns.items():
             try:
                 res = fn(0)
                 err = accuracy(kw, res)
-                t = (time_eager(fn, trials=trials, device=dev) if prefill
+                t = (time_eager(fn, trials=trials, device=dev) if mode == "eager"
                      else time_cuda_graph(fn, inner=2, trials=trials, device=dev))
             except Exception as exc:  # e.g. a FlyDSL source that does not cover this case
                 progress(f"  {shape}: {name} not timed: {type(exc).__name__}: {exc}")
@@ -191,11 +283,25 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
             tflops = flops / (t.median_us * 1e-6) / 1e12
             ok = "meets" if err <= ACCURACY_TARGET else "MISSES"
             note = (f"rel_err={err:.2e} ({ok} {ACCURACY_TARGET:g}; first 2 sequences vs float64 reference); "
-                    f"{tflops:.1f} TFLOP/s; logical bytes = FP8 K+V (+ per-token scales) read once"
-                    + ("; eager timing" if prefill else ""))
+                    + (f"{tflops:.1f} TFLOP/s; " if flops else "")
+                    + f"logical bytes = FP8 K+V (+ per-token scales) read once; {mode} timing; table {tw} tokens")
             rows.append(result_row(run, op, name, shape, t, nbytes, note))
             line += f" {name} {t.median_us:.1f} us ({100 * gbps / copy:.0f}% of copy, err {err:.1e})"
         progress(line)
         del kw, out, fns
         torch.cuda.empty_cache()
+    # host time of one layer's call (small batch: the GPU keeps up, the host is what is measured)
+    kw = bench_case(8, 1024, 1, 32, 8, 128, 16, "tensor", dev, table_tokens=table_tokens)
+    for impl in impls:
+        h = host_overhead(kw, backend=impl)
+        for name, us in h.items():
+            rows.append(dict(result_row(run, "pa_decode_host", f"{impl}:{name}", "B=8 ctx=1024 Hq=32 Hkv=8 per layer",
+                                        _point(us), 0, "host wall time per layer call, work queued not awaited")))
+        progress(f"  host per layer ({impl}): " + ", ".join(f"{k} {v:.1f} us" for k, v in h.items()))
     return rows
+
+
+def _point(us: float):
+    from backend_core.timing import Timing
+
+    return Timing(median_us=us, p10_us=us, p90_us=us, trials=1, inner=1)

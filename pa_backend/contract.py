@@ -7,6 +7,7 @@ Validation reads no tensor data (no host sync); nothing is written before it pas
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -27,7 +28,8 @@ from backend_core.validation import (
 
 from .fp8 import FP8_DTYPES
 
-__all__ = ["PAProblem", "WriteProblem", "prepare_attention", "prepare_write", "BLOCK_SIZES", "HEAD_DIMS"]
+__all__ = ["PAProblem", "PABatch", "WriteProblem", "check_batch", "check_layer", "prepare_attention", "prepare_write",
+           "BLOCK_SIZES", "HEAD_DIMS"]
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32,)
@@ -81,6 +83,7 @@ class PAProblem:
     sinks: Optional[torch.Tensor]  # [Hq] fp32
     num_partitions: Optional[int]
     out: torch.Tensor
+    plan: Optional[object] = None  # the PAPlan running it (implementations keep per-plan launch state there)
 
     @property
     def device(self) -> torch.device:
@@ -149,19 +152,97 @@ def _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor:
     return KVCache(key_cache, value_cache, scales[0], scales[1], NB, Hkv, D, bs)
 
 
-def prepare_attention(*, query, key_cache, value_cache, block_tables, context_lengths, key_scale, value_scale,
-                      query_length=1, query_start_loc=None, softmax_scale=None, sliding_window=0, sinks=None,
-                      num_partitions=None, out=None, prefill: bool = False,
-                      query_start_loc_host: Optional[Sequence[int]] = None) -> PAProblem:
-    """Validate a pa_decode (``prefill=False``) or pa_prefill call. Nothing is written.
+@dataclass
+class PABatch:
+    """The per-batch arguments of a paged-attention call, checked once (a plan holds one)."""
 
-    Decode reads no tensor data. Prefill checks the query offsets on the host: from
-    ``query_start_loc_host`` when the caller holds them (the adapters do: no sync), else by reading
-    ``query_start_loc`` once (a host sync)."""
-    anchor = "query"
-    device = require_tensor(query, "query").device
-    query = checked_tensor(query, "query", device, ACT_DTYPES, anchor=anchor)
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    context_lengths: torch.Tensor  # [num_seqs] int32 (any stride)
+    query_start_loc: Optional[torch.Tensor]  # [num_seqs + 1] int32 (prefill) or None (decode)
+    query_start_loc_host: Optional[Tuple[int, ...]]  # its checked values (prefill)
+    query_length: int  # decode rows per sequence; 0 for prefill
+    num_seqs: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.block_tables.device
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_start_loc is None
+
+
+def check_batch(*, block_tables, context_lengths, query_length=1, query_start_loc=None,
+                query_start_loc_host: Optional[Sequence[int]] = None, prefill: bool = False,
+                device: Optional[torch.device] = None, anchor: str = "block_tables") -> PABatch:
+    """Validate the batch-level arguments (tables, lengths, query layout). Decode reads no tensor
+    data; prefill checks the query offsets on the host: from ``query_start_loc_host`` when the
+    caller holds them (the adapters do: no sync), else by reading ``query_start_loc`` once."""
+    if device is None:
+        device = require_tensor(block_tables, "block_tables").device
+    block_tables = checked_tensor(block_tables, "block_tables", device, INDEX_DTYPES, anchor=anchor)
+    if block_tables.dim() != 2 or int(block_tables.shape[1]) < 1:
+        raise ValueError(f"block_tables: expected shape [num_seqs, max_blocks], got {list(block_tables.shape)}")
+    require_unit_stride(block_tables, "block_tables")
+    N = int(block_tables.shape[0])
+    context_lengths = checked_tensor(context_lengths, "context_lengths", device, INDEX_DTYPES, anchor=anchor)
+    require_shape(context_lengths, "context_lengths", (N,), "[num_seqs]")
+    if prefill:
+        query_start_loc = checked_tensor(query_start_loc, "query_start_loc", device, INDEX_DTYPES, anchor=anchor)
+        require_shape(query_start_loc, "query_start_loc", (N + 1,), "[num_seqs + 1]")
+        if query_start_loc_host is None:
+            require_data(query_start_loc, "query_start_loc")
+            query_start_loc_host = query_start_loc.tolist()  # host sync (eager pa_prefill only)
+        query_start_loc_host = check_query_start_loc(query_start_loc_host, N, None)
+        query_length = 0
+    else:
+        if isinstance(query_length, bool) or not isinstance(query_length, int):
+            raise TypeError(f"query_length: expected an int, got {type(query_length).__name__}")
+        if not 1 <= query_length <= MAX_QUERY_LENGTH:
+            raise ValueError(f"query_length: expected 1..{MAX_QUERY_LENGTH}, got {query_length}")
+        query_start_loc = None
+        query_start_loc_host = None
+    return PABatch(block_tables, context_lengths, query_start_loc, query_start_loc_host, query_length, N)
+
+
+_CACHE_MEMO: "OrderedDict[tuple, KVCache]" = OrderedDict()
+_CACHE_MEMO_SIZE = 512  # a few hundred layers' caches; the check is a pure function of the key
+
+
+def _tensor_key(t):
+    if not isinstance(t, torch.Tensor):
+        return (type(t).__name__, id(t))
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+
+
+def checked_cache(key_cache, value_cache, key_scale, value_scale, device, anchor: str) -> KVCache:
+    """``_check_cache`` memoized on the tensors' addresses, shapes, strides, dtypes and devices (all
+    the check reads), so the layers of a model are checked once per process, not per call."""
+    key = tuple(_tensor_key(t) for t in (key_cache, value_cache, key_scale, value_scale))
+    hit = _CACHE_MEMO.get(key)
+    if hit is not None and key_cache.device == device:  # the four were checked to share one device
+        _CACHE_MEMO.move_to_end(key)
+        # the caller's own tensors (the same memory, shapes and strides as the checked ones)
+        ks = key_scale if hit.k_per_token else key_scale.reshape(())
+        vs = value_scale if hit.v_per_token else value_scale.reshape(())
+        return KVCache(key_cache, value_cache, ks, vs, hit.num_blocks, hit.Hkv, hit.D, hit.block_size)
     cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor)
+    if device.type != "meta":
+        _CACHE_MEMO[key] = cache
+        if len(_CACHE_MEMO) > _CACHE_MEMO_SIZE:
+            _CACHE_MEMO.popitem(last=False)
+    return cache
+
+
+def check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, value_scale, softmax_scale=None,
+                sliding_window=0, sinks=None, num_partitions=None, out=None, anchor: str = "query") -> PAProblem:
+    """Validate one layer's arguments against a checked batch: cheap (shapes, dtypes; the cache
+    layout check is memoized per cache). Nothing is written."""
+    device = batch.device
+    query = checked_tensor(query, "query", device, ACT_DTYPES,
+                           anchor=None if anchor == "query" else anchor)
+    require_data(query, "query")  # shapes and strides are checked on meta tensors too; data from here on
+    cache = checked_cache(key_cache, value_cache, key_scale, value_scale, device, "query")
     if query.dim() != 3:
         raise ValueError(f"query: expected shape [tokens, Hq, D], got {list(query.shape)}")
     T, Hq, D = (int(s) for s in query.shape)
@@ -170,32 +251,14 @@ def prepare_attention(*, query, key_cache, value_cache, block_tables, context_le
     if Hq % cache.Hkv or not 1 <= Hq // cache.Hkv <= MAX_GQA:
         raise ValueError(f"query: Hq={Hq} must be a multiple of Hkv={cache.Hkv} with a ratio of 1..{MAX_GQA}")
     require_unit_stride(query, "query")
-
-    block_tables = checked_tensor(block_tables, "block_tables", device, INDEX_DTYPES, anchor=anchor)
-    if block_tables.dim() != 2 or int(block_tables.shape[1]) < 1:
-        raise ValueError(f"block_tables: expected shape [num_seqs, max_blocks], got {list(block_tables.shape)}")
-    require_unit_stride(block_tables, "block_tables")
-    N = int(block_tables.shape[0])
-    context_lengths = checked_tensor(context_lengths, "context_lengths", device, INDEX_DTYPES, anchor=anchor)
-    require_shape(context_lengths, "context_lengths", (N,), "[num_seqs]")
-
-    require_data(query, "query")  # shapes and strides are checked on meta tensors too; data from here on
-    if prefill:
-        query_start_loc = checked_tensor(query_start_loc, "query_start_loc", device, INDEX_DTYPES, anchor=anchor)
-        require_shape(query_start_loc, "query_start_loc", (N + 1,), "[num_seqs + 1]")
-        if query_start_loc_host is None:
-            query_start_loc_host = query_start_loc.tolist()
-        query_start_loc_host = check_query_start_loc(query_start_loc_host, N, T)
-        query_length = 0
-    else:
-        if isinstance(query_length, bool) or not isinstance(query_length, int):
-            raise TypeError(f"query_length: expected an int, got {type(query_length).__name__}")
-        if not 1 <= query_length <= MAX_QUERY_LENGTH:
-            raise ValueError(f"query_length: expected 1..{MAX_QUERY_LENGTH}, got {query_length}")
-        if T != N * query_length:
-            raise ValueError(f"query: expected {N} sequences x query_length {query_length} = {N * query_length} rows, got {T}")
-        query_start_loc = None
-        query_start_loc_host = None
+    N = batch.num_seqs
+    if batch.is_decode:
+        if T != N * batch.query_length:
+            raise ValueError(f"query: expected {N} sequences x query_length {batch.query_length} = "
+                             f"{N * batch.query_length} rows, got {T}")
+    elif batch.query_start_loc_host[-1] > T:
+        raise ValueError(f"query_start_loc: the last offset {batch.query_start_loc_host[-1]} is past the query's "
+                         f"{T} rows")
 
     softmax_scale = require_float(softmax_scale, "softmax_scale", positive=True, optional=True)
     if softmax_scale is None:
@@ -207,7 +270,7 @@ def prepare_attention(*, query, key_cache, value_cache, block_tables, context_le
     if sliding_window >= INT32_MAX:
         sliding_window = 0  # wider than any context the kernels address (int32 positions): no window
     if sinks is not None:
-        sinks = checked_tensor(sinks, "sinks", device, (torch.float32,), anchor=anchor)
+        sinks = checked_tensor(sinks, "sinks", device, (torch.float32,), anchor="query")
         require_shape(sinks, "sinks", (Hq,), "[Hq]")
         require_unit_stride(sinks, "sinks")
     if num_partitions is not None:
@@ -217,24 +280,42 @@ def prepare_attention(*, query, key_cache, value_cache, block_tables, context_le
     if out is None:
         out = torch.empty_like(query, memory_format=torch.contiguous_format)
     else:
-        out = checked_tensor(out, "out", device, (query.dtype,), anchor=anchor)
+        out = checked_tensor(out, "out", device, (query.dtype,), anchor="query")
         require_shape(out, "out", tuple(query.shape), "the query's shape")
         if not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous tensor, got strides {tuple(out.stride())}")
         require_disjoint([("out", out)], [
             ("query", query), ("key_cache", cache.key_cache), ("value_cache", cache.value_cache),
-            ("key_scale", cache.key_scale), ("value_scale", cache.value_scale), ("block_tables", block_tables),
-            ("context_lengths", context_lengths), ("query_start_loc", query_start_loc), ("sinks", sinks)])
-    return PAProblem(query=query, cache=cache, block_tables=block_tables, context_lengths=context_lengths,
-                     query_start_loc=query_start_loc, query_start_loc_host=query_start_loc_host,
-                     query_length=query_length, num_seqs=N, Hq=Hq,
+            ("key_scale", cache.key_scale), ("value_scale", cache.value_scale), ("block_tables", batch.block_tables),
+            ("context_lengths", batch.context_lengths), ("query_start_loc", batch.query_start_loc), ("sinks", sinks)])
+    return PAProblem(query=query, cache=cache, block_tables=batch.block_tables, context_lengths=batch.context_lengths,
+                     query_start_loc=batch.query_start_loc, query_start_loc_host=batch.query_start_loc_host,
+                     query_length=batch.query_length, num_seqs=N, Hq=Hq,
                      softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
                      num_partitions=num_partitions, out=out)
 
 
-def check_query_start_loc(values: Sequence[int], num_seqs: int, num_rows: int) -> Tuple[int, ...]:
+def prepare_attention(*, query, key_cache, value_cache, block_tables, context_lengths, key_scale, value_scale,
+                      query_length=1, query_start_loc=None, softmax_scale=None, sliding_window=0, sinks=None,
+                      num_partitions=None, out=None, prefill: bool = False,
+                      query_start_loc_host: Optional[Sequence[int]] = None) -> PAProblem:
+    """Validate a whole pa_decode (``prefill=False``) or pa_prefill call: ``check_batch`` then
+    ``check_layer``, anchored at the query's device. Nothing is written."""
+    device = require_tensor(query, "query").device
+    query = checked_tensor(query, "query", device, ACT_DTYPES)
+    require_data(query, "query")
+    batch = check_batch(block_tables=block_tables, context_lengths=context_lengths, query_length=query_length,
+                        query_start_loc=query_start_loc, query_start_loc_host=query_start_loc_host, prefill=prefill,
+                        device=device, anchor="query")
+    return check_layer(batch, query=query, key_cache=key_cache, value_cache=value_cache, key_scale=key_scale,
+                       value_scale=value_scale, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
+                       num_partitions=num_partitions, out=out)
+
+
+def check_query_start_loc(values: Sequence[int], num_seqs: int, num_rows: Optional[int]) -> Tuple[int, ...]:
     """Host-side check of prefill query offsets: ``num_seqs + 1`` ints, first >= 0, non-decreasing,
-    last <= ``num_rows`` (the query's rows). Returns them as a tuple of ints."""
+    last <= ``num_rows`` (the query's rows; None: checked later against the query). Returns them
+    as a tuple of ints."""
     try:
         qsl = tuple(int(v) for v in values)
     except (TypeError, ValueError):
@@ -247,7 +328,7 @@ def check_query_start_loc(values: Sequence[int], num_seqs: int, num_rows: int) -
         if qsl[s + 1] < qsl[s]:
             raise ValueError(f"query_start_loc: expected non-decreasing offsets, got {qsl[s]} then {qsl[s + 1]} "
                              f"(sequence {s})")
-    if qsl[-1] > num_rows:
+    if num_rows is not None and qsl[-1] > num_rows:
         raise ValueError(f"query_start_loc: the last offset {qsl[-1]} is past the query's {num_rows} rows")
     return qsl
 
@@ -257,7 +338,7 @@ def prepare_write(*, key, value, key_cache, value_cache, slot_mapping, key_scale
     anchor = "key"
     device = require_tensor(key, "key").device
     key = checked_tensor(key, "key", device, ACT_DTYPES, anchor=anchor)
-    cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor)
+    cache = checked_cache(key_cache, value_cache, key_scale, value_scale, device, anchor)
     if key.dim() != 3:
         raise ValueError(f"key: expected shape [tokens, Hkv, D], got {list(key.shape)}")
     T = int(key.shape[0])

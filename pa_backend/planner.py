@@ -1,8 +1,12 @@
-"""Split-K plan and workspace of the paged-attention kernels (DESIGN §4).
+"""Split-K plan and workspace of the paged-attention kernels (DESIGN §4.1).
 
-A plan is a function of shapes only — the number of work items, KV heads, the block-table width
-and the device's SM/CU count — never of context lengths held in device memory, so no step syncs
-the host and a captured CUDA graph replays with any context lengths that fit its table.
+The grid's partition count P is a function of shapes only — the number of work items, KV heads,
+an upper bound on the context (the block-table width, or the batch's max context when the host
+knows it) and the device's SM/CU count — never of context lengths held in device memory, so no
+step syncs the host and a captured CUDA graph replays with any context lengths that fit its table.
+The split itself is made on the device, per sequence, from its real context (``Split``): a
+sequence uses P_s <= P partitions sized to its context, so the work never depends on the table
+width.
 
 The partial results (running max, denominator and [BM, D] accumulator of every partition) live in
 one grow-only FP32 workspace per device. ``reserve`` sizes it once for the largest batch and
@@ -16,39 +20,54 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Dict, List, Tuple
+from dataclasses import dataclass
+from typing import Dict, List
 
 import torch
 
-__all__ = ["plan_partitions", "work_rows", "workspace", "reserve", "workspace_bytes"]
+__all__ = ["Split", "plan_partitions", "work_rows", "workspace", "reserve", "workspace_bytes"]
 
 log = logging.getLogger("flydsl_backends.pa")
 
-# Programs per SM the split-K aims for, and the fewest tokens a partition should hold.
-PROGRAMS_PER_SM = 8  # H200 sweep: 8 beat 1, 2 and 4 at every decode shape measured
+# Programs per SM the split-K aims for, and the partition lengths it prefers. Partitions shorter
+# than LONG_PARTITION_TOKENS are made only while there are fewer than FEW_PROGRAMS_PER_SM programs
+# per SM, and none is shorter than MIN_PARTITION_TOKENS. H200 (benchmarks/pa_probe/
+# variants_H200_2026-12-03.txt): 16 programs/SM beat 8 by 11% at B=200/32k and 25% at B=200/200k
+# (more waves, smaller tail), while at B=81/8k 512-token partitions lost 7% to 1024-token ones.
+PROGRAMS_PER_SM = 16
+FEW_PROGRAMS_PER_SM = 4
 MIN_PARTITION_TOKENS = 256
+LONG_PARTITION_TOKENS = 1024
+MAX_PARTITIONS = 256
+
+
+@dataclass(frozen=True)
+class Split:
+    """The split-K plan of one launch: the grid's P and the device-side rule's parameters (a
+    sequence with span tokens uses min(P, max(ceil(span / long), few), ceil(span / min))
+    partitions)."""
+
+    P: int
+    few: int
+    min_tokens: int
+    long_tokens: int
 
 
 @functools.lru_cache(maxsize=1024)
-def plan_partitions(num_items: int, Hkv: int, max_tokens: int, block_size: int, sms: int,
-                    requested: int = 0, programs_per_sm: int = PROGRAMS_PER_SM) -> Tuple[int, int]:
-    """(P partitions, NBP blocks per partition) for ``num_items`` sequences (or prefill chunks)
-    whose table rows hold ``max_tokens`` tokens.
-
-    Aims for num_items * Hkv * P >= programs_per_sm * sms programs with >= MIN_PARTITION_TOKENS
-    tokens per partition; NBP is rounded up to a power of two (a compile-time loop count, so the
-    number of kernel specializations stays small). ``requested`` (the caller's num_partitions)
-    replaces the target count; it is capped by the number of blocks.
-    """
-    blocks = max(1, -(-max_tokens // block_size))
+def plan_partitions(num_items: int, Hkv: int, max_tokens: int, sms: int, requested: int = 0,
+                    programs_per_sm: int = PROGRAMS_PER_SM) -> Split:
+    """The split of ``num_items`` sequences (or prefill chunks) of at most ``max_tokens`` visible
+    tokens over ``sms`` SMs. ``requested`` (the caller's num_partitions hint) asks for that many
+    partitions per sequence wherever its context has enough tiles."""
+    work = max(num_items * Hkv, 1)
+    sms = max(sms, 1)
     if requested:
-        target = requested
-    else:
-        target = -(-programs_per_sm * max(sms, 1) // max(num_items * Hkv, 1))
-        target = min(target, max(1, -(-max_tokens // MIN_PARTITION_TOKENS)))
-    target = max(1, min(target, blocks))
-    nbp = 1 << (-(-blocks // target) - 1).bit_length()
-    return -(-blocks // nbp), nbp
+        return Split(max(1, min(requested, MAX_PARTITIONS)), requested, 1, 1)
+    few = -(-FEW_PROGRAMS_PER_SM * sms // work)
+    target = -(-programs_per_sm * sms // work)
+    target = min(target, max(-(-max_tokens // LONG_PARTITION_TOKENS), few))
+    target = min(target, -(-max_tokens // MIN_PARTITION_TOKENS), MAX_PARTITIONS)
+    return Split(max(1, target), few, MIN_PARTITION_TOKENS, LONG_PARTITION_TOKENS)
 
 
 def work_rows(G: int, QL: int) -> int:
@@ -116,7 +135,7 @@ def reserve(max_num_seqs: int, Hq: int, Hkv: int, D: int, max_context: int, bloc
     sms = sms or platform.sm_count(device)
     BM = work_rows(Hq // Hkv, query_length)
     # the largest request over batch sizes: fewer sequences get more partitions each
-    need = max(_floats(b, Hkv, plan_partitions(b, Hkv, max_context, block_size, sms)[0], BM, D)
+    need = max(_floats(b, Hkv, plan_partitions(b, Hkv, max_context, sms).P, BM, D)
                for b in range(1, max_num_seqs + 1))
     _WS.get(device, need)
     return workspace_bytes(device)

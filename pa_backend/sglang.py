@@ -33,7 +33,8 @@ import torch
 from backend_core.lazy import LazyClasses
 
 from . import contract as _contract
-from .api import pa_decode, pa_prefill, write_kv
+from .api import write_kv
+from .plan import PAPlan, plan_decode, plan_prefill
 from .fp8 import FP8_DTYPES
 
 __all__ = ["FlyDSLAttnBackend", "FlyDSLMHATokenToKVPool", "install_kv_pool_hook", "register_hooks",
@@ -280,6 +281,7 @@ class FlyDSLForwardMetadata:
     context_lens: torch.Tensor  # [bs] int32, new tokens included
     query_start_loc: Optional[torch.Tensor]  # [bs + 1] int32 for extend / mixed; None for decode / verify
     query_length: int = 1  # rows per request on the pa_decode path (target verify: the draft tokens, 2..4)
+    plan: Optional[PAPlan] = None  # the batch's paged-attention plan (built once, run by every layer)
 
 
 def _kv_pool_leaf(pool):
@@ -436,18 +438,42 @@ def _build_backend_class():
             bt = self._block_table(forward_batch.req_pool_indices[:bs])
             cl = forward_batch.seq_lens[:bs].to(torch.int32)
             qsl = None
+            max_context = self._max_context(forward_batch, bs)
             if mode.is_target_verify():
                 n = self._verify_tokens(forward_batch.spec_info, int(forward_batch.out_cache_loc.shape[0]) // max(bs, 1))
-                self.forward_metadata = FlyDSLForwardMetadata(bt, cl + n, None, n)
+                md = FlyDSLForwardMetadata(bt, cl + n, None, n)
+                md.plan = plan_decode(md.block_tables, md.context_lens, query_length=n,
+                                      max_context=None if max_context is None else max_context + n)
+                self.forward_metadata = md
                 return
             if not mode.is_decode():
                 lens = getattr(forward_batch, "extend_seq_lens", None)
+                lens_cpu = getattr(forward_batch, "extend_seq_lens_cpu", None)
                 if lens is None:  # a decode batch relabelled as a 1-token extend (DP padding)
                     qsl = torch.arange(bs + 1, dtype=torch.int32, device=self.device)
+                    qsl_host = list(range(bs + 1))
                 else:
                     qsl = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
                     torch.cumsum(lens[:bs].to(torch.int32), 0, out=qsl[1:])
-            self.forward_metadata = FlyDSLForwardMetadata(bt, cl, qsl)
+                    qsl_host = None
+                    if lens_cpu is not None:  # SGLang's host copy of the extend lengths: no sync
+                        qsl_host = [0]
+                        for x in list(lens_cpu)[:bs]:
+                            qsl_host.append(qsl_host[-1] + int(x))
+                md = FlyDSLForwardMetadata(bt, cl, qsl)
+                md.plan = plan_prefill(bt, qsl, cl, query_start_loc_host=qsl_host, max_context=max_context)
+            else:
+                md = FlyDSLForwardMetadata(bt, cl, None)
+                md.plan = plan_decode(bt, cl, max_context=max_context)
+            self.forward_metadata = md
+
+        @staticmethod
+        def _max_context(forward_batch, bs: int):
+            """The batch's longest context from SGLang's host copy of seq_lens (None when absent)."""
+            cpu = getattr(forward_batch, "seq_lens_cpu", None)
+            if cpu is None or bs == 0:
+                return None
+            return int(cpu[:bs].max())
 
         def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int):
             n = max_num_tokens // max_bs if max_bs > 0 else 1
@@ -486,7 +512,8 @@ def _build_backend_class():
             bt.copy_(self._block_table(forward_batch.req_pool_indices[:bs]))
             # decode seq_lens include the new token; verify seq_lens exclude the n drafts
             torch.add(forward_batch.seq_lens[:bs], n if verify else 0, out=cl)
-            self.forward_metadata = FlyDSLForwardMetadata(bt, cl, None, n)
+            # shape-only plan over the static buffers: the captured kernels split the replayed contexts
+            self.forward_metadata = FlyDSLForwardMetadata(bt, cl, None, n, plan_decode(bt, cl, query_length=n))
 
         def get_cuda_graph_seq_len_fill_value(self):
             return 1
@@ -536,9 +563,8 @@ def _build_backend_class():
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
             sliding_window, sinks, ks, vs, kc, vc, q3, o, md = self._prologue(q, k, v, layer, forward_batch,
                                                                               save_kv_cache, kwargs)
-            pa_decode(q3, kc, vc, md.block_tables, md.context_lens, ks, vs, query_length=md.query_length,
-                      softmax_scale=layer.scaling, sliding_window=sliding_window, sinks=sinks, out=o,
-                      backend=self.pa_impl)
+            md.plan.run(q3, kc, vc, ks, vs, softmax_scale=layer.scaling, sliding_window=sliding_window, sinks=sinks,
+                        out=o, backend=self.pa_impl)
             return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
@@ -550,9 +576,8 @@ def _build_backend_class():
                                                                               save_kv_cache, kwargs)
             if md.query_start_loc is None:  # a decode-shaped metadata relabelled as a 1-token extend
                 raise RuntimeError("flydsl attention backend: extend forward without extend metadata")
-            pa_prefill(q3, kc, vc, md.block_tables, md.query_start_loc, md.context_lens, ks, vs,
-                       softmax_scale=layer.scaling, sliding_window=sliding_window, sinks=sinks, out=o,
-                       backend=self.pa_impl)
+            md.plan.run(q3, kc, vc, ks, vs, softmax_scale=layer.scaling, sliding_window=sliding_window, sinks=sinks,
+                        out=o, backend=self.pa_impl)
             return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     return FlyDSLAttnBackend

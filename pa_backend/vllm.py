@@ -2,8 +2,10 @@
 over an FP8 paged KV cache.
 
 An adapter only: it turns vLLM's ``CommonAttentionMetadata`` and KV-cache view into the arguments of
-:func:`pa_backend.write_kv`, :func:`pa_backend.pa_decode` and :func:`pa_backend.pa_prefill`
-(DESIGN §4). No kernel code lives here. All vLLM classes are built on first attribute access
+:func:`pa_backend.write_kv` and one paged-attention plan per step (:func:`pa_backend.plan_decode` /
+:func:`pa_backend.plan_prefill`, built by the metadata builder from ``query_start_loc_cpu`` and
+``max_seq_len``; every layer's ``forward`` runs it: no host sync, planning or re-validation of the
+batch per layer; DESIGN §4.1). No kernel code lives here. All vLLM classes are built on first attribute access
 (PEP 562), so ``import pa_backend.vllm`` imports no vLLM module.
 
 The cache (``customize_spec``): each block holds two head slots of ``block_size x (Hkv*D)`` bytes —
@@ -22,9 +24,10 @@ the layer's per-tensor ``_k_scale`` / ``_v_scale``. FP8 is ``current_platform.fp
 (e4m3fnuz on gfx942, e4m3fn elsewhere).
 
 CUDA graphs: ``UNIFORM_BATCH`` — uniform batches (decode and spec-decode up to 4 tokens per request)
-run the split-K decode whose grid depends on shapes only (the planner's workspace is reserved in the
-builder's ``__init__``), and every tensor it reads is one of the runner's persistent buffers.
-Prefill/mixed batches use ``pa_prefill``, whose launch depends on host values, so they are not
+run the split-K decode whose grid depends on shapes only (the capture plan is shape-only; the
+kernels split each sequence's real context on the device; the planner's workspace is reserved in
+the builder's ``__init__``), and every tensor it reads is one of the runner's persistent buffers.
+Prefill/mixed batches run on work items made from the step's host query offsets, so they are not
 declared graph-safe. With more than 3 speculative tokens the support drops to
 ``UNIFORM_SINGLE_TOKEN_DECODE``.
 """
@@ -33,13 +36,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from backend_core.lazy import LazyClasses
 
 from . import contract as _contract
-from .api import pa_decode, pa_prefill, write_kv
+from .api import write_kv
+from .plan import PAPlan, plan_decode, plan_prefill
 
 __all__ = ["FlyDSLAttentionBackend", "FlyDSLAttentionMetadataBuilder", "FlyDSLAttentionImpl",
            "FlyDSLAttentionMetadata", "BACKEND_NAME", "kv_cache_views", "uniform_query_length"]
@@ -65,6 +70,7 @@ class FlyDSLAttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int32, context + new tokens (padded requests: 0)
     block_table: torch.Tensor  # [num_reqs, max_blocks] int32 kernel block ids (padded rows: null block 0)
     slot_mapping: torch.Tensor  # [num_tokens] int64, -1 = padding
+    plan: Optional[PAPlan] = None  # the batch's paged-attention plan (one per step, run by every layer)
 
 
 def uniform_query_length(query_start_loc_cpu: torch.Tensor, num_reqs: int, num_actual_tokens: int,
@@ -244,13 +250,27 @@ def _build_builder_class():
                 raise NotImplementedError("flydsl attention: cascade attention (common_prefix_len > 0) is not supported")
             n = uniform_query_length(cam.query_start_loc_cpu, cam.num_reqs, cam.num_actual_tokens, cam.max_query_len)
             # the runner's persistent int32 buffers, as they are (a copy would break CUDA-graph replay)
-            return FlyDSLAttentionMetadata(
+            md = FlyDSLAttentionMetadata(
                 num_actual_tokens=int(cam.num_actual_tokens), num_reqs=int(cam.num_reqs),
                 max_query_len=int(cam.max_query_len), query_length=n, query_start_loc=cam.query_start_loc,
                 seq_lens=cam.seq_lens, block_table=cam.block_table_tensor, slot_mapping=cam.slot_mapping)
+            md.plan = self._plan(md, cam, max_context=int(cam.max_seq_len) or None)
+            return md
+
+        @staticmethod
+        def _plan(md, cam, max_context):
+            """One plan per step from what vLLM holds on the host (query_start_loc_cpu, max_seq_len)."""
+            R = md.num_reqs
+            if md.query_length:
+                return plan_decode(md.block_table[:R], md.seq_lens[:R], query_length=md.query_length,
+                                   max_context=max_context)
+            return plan_prefill(md.block_table[:R], md.query_start_loc[:R + 1], md.seq_lens[:R],
+                                query_start_loc_host=cam.query_start_loc_cpu[:R + 1], max_context=max_context)
 
         def build_for_cudagraph_capture(self, common_attn_metadata):
             md = self.build(0, common_attn_metadata)
+            # shape-only plan: the captured kernels split whatever contexts the replays bring
+            md.plan = self._plan(md, common_attn_metadata, max_context=None)
             if md.query_length == 0:
                 raise NotImplementedError("flydsl attention: CUDA graphs are declared for uniform batches only "
                                           f"(query length 1..{_contract.MAX_QUERY_LENGTH} per request)")
@@ -346,16 +366,8 @@ def _build_impl_class():
             kc, vc = self._caches(kv_cache)
             T = md.num_actual_tokens
             q, out = query[:T], output[:T]
-            kw = dict(softmax_scale=self.scale, sliding_window=self.sliding_window, sinks=self._sinks(), out=out,
-                      backend=self.pa_impl)
-            if md.query_length:
-                R = md.num_reqs
-                pa_decode(q, kc, vc, md.block_table[:R], md.seq_lens[:R], layer._k_scale, layer._v_scale,
-                          query_length=md.query_length, **kw)
-            else:
-                R = md.num_reqs
-                pa_prefill(q, kc, vc, md.block_table[:R], md.query_start_loc[:R + 1], md.seq_lens[:R],
-                           layer._k_scale, layer._v_scale, **kw)
+            md.plan.run(q, kc, vc, layer._k_scale, layer._v_scale, softmax_scale=self.scale,
+                        sliding_window=self.sliding_window, sinks=self._sinks(), out=out, backend=self.pa_impl)
             return output
 
     return FlyDSLAttentionImpl

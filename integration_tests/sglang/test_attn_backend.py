@@ -6,9 +6,10 @@ Run: PYTHONPATH=integration_tests/stubs:. /work/venv-sgl/bin/python -m pytest -q
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
-import os
+import zlib
 
 import pytest
 import torch
@@ -47,7 +48,7 @@ def _live_slots(fx):
 @pytest.mark.parametrize("page_size", [16, 64])
 @pytest.mark.parametrize("mode", ["decode", "extend", "mixed"])
 def test_matches_torch_native(mode, page_size):
-    case = H.Case(page_size=page_size, seed=hash((mode, page_size)) % 1000, **CASES[mode])
+    case = H.Case(page_size=page_size, seed=zlib.crc32(f"{mode}/{page_size}".encode()) % 1000, **CASES[mode])
     fx = H.build_fixture(case)
     out = H.run_side(fx.flydsl, fx.q, fx.k, fx.v)
     ref = H.run_side(fx.ref, fx.q, fx.k, fx.v)

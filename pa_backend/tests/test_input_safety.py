@@ -201,7 +201,8 @@ def test_meta_tensors_raise_value_error(prefill):
         (pa_prefill if prefill else pa_decode)(**kw, backend="torch")
     with pytest.raises(ValueError, match="key: expected a tensor with data"):
         write_kv(kw["query"][:, :2], kw["query"][:, :2], kw["key_cache"], kw["value_cache"],
-                 torch.zeros(8, dtype=torch.int32, device="meta"), kw["key_scale"], kw["value_scale"], backend="torch")
+                 torch.zeros(kw["query"].shape[0], dtype=torch.int32, device="meta"), kw["key_scale"], kw["value_scale"],
+                 backend="torch")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -221,10 +222,10 @@ def test_device_mismatch_names_the_anchor_argument(monkeypatch):
                         lambda t, name, device, dtypes, anchor=None: seen.append(anchor) or real(t, name, device, dtypes,
                                                                                                   anchor=anchor))
     c = case()  # its cache is filled through write_kv: anchored at key
-    assert set(seen) == {"key"}
+    assert set(seen) - {None} == {"key"}
     seen.clear()
     pa_decode(**c.kwargs, backend="torch")
-    assert set(seen) == {"query"}
+    assert set(seen) - {None} == {"query"}  # None: the query itself
     with pytest.raises(ValueError, match=r"block_tables: expected a tensor on cuda:0 \(the device of query\), got one on cpu"):
         real(c.kwargs["block_tables"], "block_tables", torch.device("cuda:0"), (torch.int32,), anchor="query")
 

@@ -74,13 +74,16 @@ def test_explicit_partitions_and_padded_sequence(parts):
 
 
 def test_planner_is_shape_only_and_bounded():
-    from pa_backend.planner import plan_partitions
+    from pa_backend.planner import MAX_PARTITIONS, plan_partitions
 
-    P, nbp = plan_partitions(81, 1, 8192, 16, 132)
-    assert P * nbp * 16 >= 8192 and nbp & (nbp - 1) == 0 and 81 * P >= 132
-    assert plan_partitions(81, 1, 8192, 16, 132) == (P, nbp)
-    assert plan_partitions(1, 1, 16, 16, 132) == (1, 1)
-    assert plan_partitions(4, 1, 4096, 16, 132, requested=4)[0] == 4
+    sp = plan_partitions(81, 1, 8192, 132)
+    assert 81 * sp.P >= 4 * 132 and sp.P * sp.min_tokens <= 8192 + sp.min_tokens
+    assert plan_partitions(81, 1, 8192, 132) == sp
+    assert plan_partitions(1, 1, 16, 132).P == 1
+    assert plan_partitions(4, 1, 4096, 132, requested=4).P == 4
+    # a 128k-token table only raises the grid's upper bound; the device splits each real context
+    assert plan_partitions(81, 1, 1 << 17, 132).P >= sp.P
+    assert plan_partitions(1, 1, 1 << 20, 132).P <= MAX_PARTITIONS
 
 
 @pytest.mark.parametrize("params", [

@@ -1,6 +1,10 @@
 """Triton implementation of ``pa_decode`` (split-K partitions + reduce), ``pa_prefill`` (the same
-kernels over chunks of query rows; one host read of query_start_loc / context_lengths to build
-the chunks, so prefill is not graph-capturable) and ``write_kv``.
+kernels over chunks of query rows, built on the host from the query offsets the plan holds) and
+``write_kv``.
+
+Launch state (grid, tiling, split-K plan, prefill chunks on the device, workspace views) is built
+once per plan (``PAProblem.plan``: one forward batch) and layer shape, then reused by every layer:
+a layer's call only launches. No step reads device memory on the host.
 
 Status: tested under TRITON_INTERPRET=1 on CPU, compiled for sm_90 without spills, and run on an
 H200 (the GPU grid of pa_backend/tests/test_gpu.py); ``backend="auto"`` chooses it on NVIDIA GPUs.
@@ -50,20 +54,23 @@ def _env_int(name: str, default: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def decode_tiling(D: int, BM: int) -> Tuple[int, int, int]:
-    """(BT tokens per tile, warps, pipeline stages) of the partition kernel (BT is capped at the
-    partition's length by the caller). The live tiles (K or V [BT, D], acc [BM, D], S [BM, BT])
-    must fit a thread's registers: the sm_90 resource test checks every shipped shape for spills.
-    FLYDSL_BACKENDS_PA_TRITON_BT / _WARPS / _STAGES override them for tuning sweeps (call
-    ``decode_tiling.cache_clear()`` after changing them)."""
+def decode_tiling(D: int, BM: int, block_size: int = 16) -> Tuple[int, int, int]:
+    """(BT tokens per tile, warps, pipeline stages) of the partition kernel. The live tiles (K or V
+    [BT, D], acc [BM, D], S [BM, BT]) must fit a thread's registers: the sm_90 resource test checks
+    every shipped shape for spills. FLYDSL_BACKENDS_PA_TRITON_BT / _WARPS / _STAGES override them
+    for tuning sweeps (call ``decode_tiling.cache_clear()`` after changing them)."""
     bt = (64 if D <= 128 else 32) // (2 if BM * D > 8192 else 1)
+    if D == 128 and BM == 16 and block_size < 64:
+        # H200, 16/32-token pages, M=16: BT 32 (94 registers, 5 programs/SM) beat BT 64 (112, 4/SM) by
+        # 1-19% (benchmarks/pa_probe/variants_H200_2026-12-03.txt); 64-token pages keep BT 64
+        bt = 32
     bt = _env_int("FLYDSL_BACKENDS_PA_TRITON_BT", bt)
     if bt & (bt - 1) or bt < 16:
         raise ValueError(f"FLYDSL_BACKENDS_PA_TRITON_BT={bt}: expected a power of two >= 16")
-    # H200 sweep (benchmarks/NOTES.md): 4 warps and 4 stages won at every decode shape measured;
-    # D = 256 tiles need 8 warps to stay clear of spills
+    # 4 warps won every H200 decode sweep; D = 256 tiles need 8 warps to stay clear of spills.
+    # 5 stages: the first count at which Triton 3.6 double-buffers the K/V copies (pa_decode.py)
     return (bt, _env_int("FLYDSL_BACKENDS_PA_TRITON_WARPS", 4 if D <= 128 else 8),
-            _env_int("FLYDSL_BACKENDS_PA_TRITON_STAGES", 4))
+            _env_int("FLYDSL_BACKENDS_PA_TRITON_STAGES", 5))
 
 
 def programs_per_sm() -> int:
@@ -73,12 +80,6 @@ def programs_per_sm() -> int:
 
 def reduce_warps(D: int, BM: int) -> int:
     return 4 if BM * D <= 8192 else 8
-
-
-def _qk_dtype():
-    import triton.language as tl
-
-    return tl.float16 if platform.triton_interpreter_enabled() else tl.bfloat16
 
 
 def run(p):
@@ -108,68 +109,110 @@ def _run_write(p: WriteProblem) -> None:
     return None
 
 
-def _prefill_chunks(p: PAProblem, rows_per_chunk: int):
-    """(chunks [n, 4] int32 on the device, first row, end row): each chunk is (sequence, first query
-    row, rows, context its last row sees). Reads query_start_loc and context_lengths (host sync)."""
-    qsl = p.query_start_loc_host
-    ctx = p.context_lengths.tolist()
+def prefill_chunks(qsl, rows_per_chunk: int):
+    """Work items of a ragged batch: chunks of at most ``rows_per_chunk`` query rows of one
+    sequence, as (sequence, first query row, rows, rows of the sequence after the chunk) — the
+    kernel sees context_lengths[sequence] - rows_after tokens for the chunk's last row. From the
+    host query offsets ``qsl`` (no device read)."""
     items = []
-    for s in range(p.num_seqs):
+    for s in range(len(qsl) - 1):
         ql = qsl[s + 1] - qsl[s]
         for r0 in range(0, max(ql, 0), rows_per_chunk):
             n = min(rows_per_chunk, ql - r0)
-            items.append((s, qsl[s] + r0, n, ctx[s] - ql + r0 + n))
-    chunks = torch.tensor(items or [(0, 0, 0, 0)], dtype=torch.int32).to(p.device)
-    return chunks, len(items), qsl[0], qsl[-1]
+            items.append((s, qsl[s] + r0, n, ql - r0 - n))
+    return items
+
+
+def _to_device(rows, device) -> torch.Tensor:
+    t = torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.int32)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)  # no host sync
+    return t.to(device)
+
+
+class _Launch:
+    """Everything a layer's launch needs that does not change between the layers of one batch."""
+
+    def __init__(self, p: PAProblem):
+        c = p.cache
+        self.G, self.D = p.Hq // c.Hkv, c.D
+        if p.is_decode:
+            self.QL, self.items, self.chunks = p.query_length, p.num_seqs, None
+            self.zero_rows = None
+        else:
+            self.QL = max(1, 64 // self.G)
+            rows = prefill_chunks(p.query_start_loc_host, self.QL)
+            self.items = len(rows)
+            self.chunks = _to_device(rows, p.device)
+            self.zero_rows = (p.query_start_loc_host[0], p.query_start_loc_host[-1])  # rows outside every sequence
+        self.BM = work_rows(self.G, self.QL)
+        bt, self.warps, self.stages = decode_tiling(self.D, self.BM, c.block_size)
+        if c.block_size & (c.block_size - 1):
+            # a block of 48, 80, 96 or 112 tokens: tiles of its largest power-of-two divisor (>= 16), so a
+            # tile always lies inside one block
+            bt = min(bt, c.block_size & -c.block_size)
+        self.bt = bt
+        self.align = max(bt, c.block_size)
+        self.max_tokens = int(p.block_tables.shape[1]) * c.block_size
+        bound = self.max_tokens
+        plan = p.plan
+        if plan is not None and plan.max_context is not None:
+            bound = min(bound, max(int(plan.max_context), 1))
+        self.split = plan_partitions(self.items, c.Hkv, bound, platform.sm_count(p.device), p.num_partitions or 0,
+                                     programs_per_sm())
+        self.ws = workspace(p.device, self.items, c.Hkv, self.split.P, self.BM, self.D) if self.items else None
+
+
+def launch_state(p: PAProblem) -> _Launch:
+    """The launch state of ``p``: made once per plan and layer shape (eager calls: every call)."""
+    if p.plan is None:
+        return _Launch(p)
+    c = p.cache
+    key = ("triton", p.Hq, c.Hkv, c.D, c.block_size, p.num_partitions)
+    st = p.plan.state.get(key)
+    if st is None:
+        st = p.plan.state[key] = _Launch(p)
+    return st
 
 
 def _run_attention(p: PAProblem) -> torch.Tensor:
-    import triton.language as tl
-
     from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel  # imports triton
 
-    c = p.cache
-    G, D = p.Hq // c.Hkv, c.D
-    if p.is_decode:
-        QL, items, chunks = p.query_length, p.num_seqs, p.context_lengths
-    else:
-        QL = max(1, 64 // G)
-        chunks, items, r_first, r_end = _prefill_chunks(p, QL)
-        p.out[:r_first].zero_()  # rows outside every sequence
-        p.out[r_end:].zero_()
-    if items == 0:
+    L = launch_state(p)
+    if L.zero_rows is not None:
+        p.out[:L.zero_rows[0]].zero_()
+        p.out[L.zero_rows[1]:].zero_()
+    if L.items == 0:
         return p.out
-    BM = work_rows(G, QL)
-    bt, warps, stages = decode_tiling(D, BM)
-    sms = platform.sm_count(p.device)
-    max_tokens = int(p.block_tables.shape[1]) * c.block_size
-    P, nbp = plan_partitions(items, c.Hkv, max_tokens, c.block_size, sms, p.num_partitions or 0,
-                             programs_per_sm())
-    if c.block_size & (c.block_size - 1):
-        # a block of 48, 80, 96 or 112 tokens: tiles of its largest power-of-two divisor (>= 16), so a
-        # tile always lies inside one block and the tile count per partition is exact
-        bt = min(bt, c.block_size & -c.block_size)
-    else:
-        bt = min(bt, nbp * c.block_size)  # both powers of two: the tile count per partition is exact
-    ws_m, ws_l, ws_acc = workspace(p.device, items, c.Hkv, P, BM, D)
+    c = p.cache
+    chunks = L.chunks if L.chunks is not None else p.context_lengths
+    sp = L.split
+    ws_m, ws_l, ws_acc = L.ws
     kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
-    pa_decode_partition_kernel[(items, c.Hkv, P)](
+    pa_decode_partition_kernel[(L.items, c.Hkv, sp.P)](
         p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc,
-        p.softmax_scale, p.sliding_window, max_tokens,
+        p.softmax_scale, p.sliding_window, L.max_tokens, sp.few, sp.min_tokens, sp.long_tokens,
         p.query.stride(0), p.query.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
         ks.stride(0) if c.k_per_token else 0, ks.stride(1) if c.k_per_token else 0,
         vs.stride(0) if c.v_per_token else 0, vs.stride(1) if c.v_per_token else 0,
         p.block_tables.stride(0), p.context_lengths.stride(0),
-        HKV=c.Hkv, G=G, QL=QL, BM=BM, D=D, BS=c.block_size, NBP=nbp, BT=bt, QK_DTYPE=_qk_dtype(), PV_DTYPE=tl.float16,
+        HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=L.bt, ALIGN=L.align,
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
-        num_warps=warps, num_stages=stages,
+        V_MAXNUM=_v_maxnum(p.device), num_warps=L.warps, num_stages=L.stages,
     )
-    pa_decode_reduce_kernel[(items, c.Hkv)](
+    pa_decode_reduce_kernel[(L.items, c.Hkv)](
         ws_m, ws_l, ws_acc, p.sinks if p.sinks is not None else ws_m, p.out, p.context_lengths, chunks,
+        p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
         p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
-        HKV=c.Hkv, G=G, QL=QL, BM=BM, D=D, P=P, HAS_SINKS=p.sinks is not None, RAGGED=not p.is_decode,
-        num_warps=reduce_warps(D, BM),
+        HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
+        RAGGED=not p.is_decode, num_warps=reduce_warps(L.D, L.BM),
     )
     return p.out
+
+
+def _v_maxnum(device: torch.device) -> bool:
+    """V's NaN bytes are cleared with maxNum on NVIDIA GPUs (PTX max returns the non-NaN operand);
+    the interpreter (numpy) and AMD (not checked here) use `where`."""
+    return device.type == "cuda" and not platform.is_hip() and not platform.triton_interpreter_enabled()

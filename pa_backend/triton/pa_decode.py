@@ -2,47 +2,48 @@
 #
 # Design
 # ------
-# Partition kernel, grid (num_seqs, Hkv, P). Program (s, h, p) owns KV head h of sequence s and the
-# token range [p*PT, (p+1)*PT) (PT = NBP blocks), clipped to the context. P and NBP are
-# compile-time constants chosen from shapes only (the table width), so a captured graph replays
-# with any context lengths. The M dimension of its dots is the GQA group times the query rows:
-# row m = i*G + g is query row i of the sequence for query head h*G + g (M = G*QL padded to
-# BM >= 16), so one KV read serves every query head that shares it.
-# The loop walks token tiles of BT tokens (64 for D <= 128: a tile spans several 16-token pages,
-# each token's block id gathered from the table, so every iteration has 8-16 KB of K and V loads
-# in flight). K is read as a [BT, D] tile straight from the x-packed layout (16 FP8 bytes per
-# (d//16, token) chunk) and widened FP8 -> BF16 in registers (exact); S = Q K^T runs on the tensor
-# cores with FP32 accumulation, in log2 units (exp2), with the per-token K scale or the per-tensor
-# one folded in, then the causal / sliding-window mask and an online softmax (m, l, acc [BM, D]
-# FP32 in registers). P @ V runs in FP16 (FP8 values are exact in FP16; P in [0, 1] keeps 11
-# bits, 8x finer than BF16): the per-tensor V scale multiplies acc once at the end, a per-token
-# one multiplies P's columns first. The query is never rounded to FP8.
-# Table entries are read only for tokens of the partition, so stale ids past a sequence's extent
-# are never dereferenced; masked tokens never contribute, so NaN bytes in unused slots of a live
-# page are selected away by `where` before any arithmetic that could spread them.
+# Partition kernel, grid (work items, Hkv, P). Program (s, h, p) owns KV head h of item s (a
+# sequence in decode, a chunk of query rows in prefill) and partition p of the tokens that item
+# can see. P (the grid) is a shape-only upper bound from the plan; the split itself is made on the
+# device from the item's real context: the visible span [lo, ctx) (lo > 0 only under a sliding
+# window) is cut into P_s <= P partitions of PT_s tokens (a multiple of ALIGN = max(BT, block
+# size)), with P_s chosen per item like the planner does (enough programs to fill the GPU, no
+# partition shorter than MIN_PT, long ones preferred). Programs p >= P_s exit at once and the
+# reduce reads only the P_s partials, so the work follows each sequence's context whatever the
+# block table's width, and a captured CUDA graph replays with any context lengths.
+# The M dimension of the dots is the GQA group times the query rows: row m = i*G + g is query row
+# i for query head h*G + g (M = G*QL padded to BM >= 16), so one KV read serves every query head
+# that shares it.
+# The loop walks token tiles of BT tokens (decode_tiling), a dynamic trip count; each token's
+# block id is gathered from the table. K is read as a [BT, D] tile straight from the x-packed
+# layout (16 FP8 bytes per (d//16, token) chunk) and widened FP8 -> FP16 in registers (exact);
+# S = Q K^T runs on the tensor cores with FP32 accumulation, in log2 units (exp2), with the
+# per-token K scale or the per-tensor one folded in, then the causal / sliding-window mask and an
+# online softmax (m, l, acc [BM, D] FP32 in registers). The query enters the FP16 dot scaled per
+# row by a power of two (2^-floor(log2 max|q|), folded back into the row's score scale): BF16 ->
+# FP16 is then exact for every element within 2^-14 of its row's max, nothing can overflow, and
+# the query is never rounded to FP8. P @ V runs in FP16 (FP8 values are exact in FP16; P in
+# [0, 1] keeps 11 bits): the per-tensor V scale multiplies acc once at the end, a per-token one
+# multiplies P's columns first.
+# Pipelining (H200, Triton 3.6): the block-id load is one indirection above the K/V loads, so
+# num_stages <= 4 gives the K/V copies one shared buffer (no overlap inside a program); 5 gives two.
+# Table entries are read only for tokens inside the partition, so stale ids past a sequence's
+# extent are never dereferenced. K's NaN bytes in unused slots of a live page only reach scores,
+# which `where` replaces by -inf; V's are cleared before the P @ V dot (maxNum on NVIDIA, `where`
+# elsewhere), where P is exactly 0 for them.
 #
 # Prefill (ragged) reuses both kernels with RAGGED=1: the work items are chunks of at most QL
-# query rows of one sequence (host-built metadata), each behaving like a decode sequence whose
-# context is what its last row sees.
+# query rows of one sequence (built once per batch by the plan), each behaving like a decode
+# sequence whose context is what its last row sees.
 #
-# Reduce kernel, grid (work items, Hkv): combines the P partial (m, l, acc) with the softmax rescale,
-# adds exp(sink - m) to the denominator when sinks are given, and writes the BM valid rows (zero
-# when no token was attended).
-#
-# QK_DTYPE is bfloat16 on GPUs; Triton 3.6's CPU interpreter multiplies bfloat16 dot operands as
-# raw bit patterns, so under TRITON_INTERPRET=1 the wrapper passes float16 instead (exact for FP8
-# values; the test queries are in range).
+# Reduce kernel, grid (work items, Hkv): combines the P_s partial (m, l, acc) with the softmax
+# rescale, adds exp(sink - m) to the denominator when sinks are given, and writes the BM valid rows
+# (zero when no token was attended).
 #
 # Offsets: block ids and row offsets are int64 (caches > 2 GiB); offsets inside one block are int32.
 
-import os
-
 import triton
 import triton.language as tl
-
-# probe switches (experiment only)
-_QK16: tl.constexpr = tl.constexpr(os.environ.get("PA_PROBE_QK16", "0") == "1")
-_VSQ: tl.constexpr = tl.constexpr(os.environ.get("PA_PROBE_VSQ", "0") == "1" and not triton.knobs.runtime.interpret)
 
 
 @triton.jit
@@ -50,13 +51,14 @@ def _rows_of(p_cl, stride_cl, p_chunks, i_s, QL: tl.constexpr, RAGGED: tl.conste
     """(table row, first query row, number of rows, visible context) of work item i_s.
 
     Decode: item = sequence, QL rows each. Prefill: item = a chunk of at most QL query rows of one
-    sequence, described by p_chunks[i_s] = (sequence, first row, rows, context seen by its last row);
-    row i of the chunk then sees tokens 0 .. context - rows + i, as in decode."""
+    sequence, described by p_chunks[i_s] = (sequence, first row, rows, rows of the sequence after
+    the chunk); its last row sees context_lengths[sequence] - rows_after tokens, and row i of the
+    chunk tokens 0 .. that - rows + i, as in decode."""
     if RAGGED:
         seq = tl.load(p_chunks + i_s * 4).to(tl.int64)
         q0 = tl.load(p_chunks + i_s * 4 + 1).to(tl.int64)
         nrows = tl.load(p_chunks + i_s * 4 + 2)
-        ctx = tl.load(p_chunks + i_s * 4 + 3)
+        ctx = tl.load(p_cl + seq * stride_cl) - tl.load(p_chunks + i_s * 4 + 3)  # minus the rows after the chunk
     else:
         seq = i_s
         q0 = i_s * QL
@@ -66,17 +68,34 @@ def _rows_of(p_cl, stride_cl, p_chunks, i_s, QL: tl.constexpr, RAGGED: tl.conste
 
 
 @triton.jit
+def _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN: tl.constexpr):
+    """(lo, PT, P_s) of one work item: its visible tokens [lo, ctx) cut into P_s partitions of PT
+    tokens (the last one shorter). lo > 0 only under a sliding window (aligned down to ALIGN).
+    P_s: at most the grid's P; enough partitions for ``few_target`` (fills the GPU at this batch
+    size), more only while they stay ``long_pt`` tokens long, never shorter than ``min_pt``."""
+    lo = tl.where(sliding_window > 0, tl.maximum(ctx - nrows + 1 - sliding_window, 0), 0)
+    lo = (lo // ALIGN) * ALIGN
+    span = tl.maximum(ctx - lo, 0)
+    p_s = tl.minimum(tl.maximum(tl.cdiv(span, long_pt), few_target), tl.cdiv(span, min_pt))
+    p_s = tl.maximum(tl.minimum(p_s, P), 1)
+    pt = tl.cdiv(tl.cdiv(span, p_s), ALIGN) * ALIGN
+    pt = tl.maximum(pt, ALIGN)
+    return lo, pt, tl.cdiv(span, pt)
+
+
+@triton.jit
 def pa_decode_partition_kernel(
     p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
-    softmax_scale, sliding_window, max_tokens,
+    softmax_scale, sliding_window, max_tokens, few_target, min_pt, long_pt,
     stride_q_t, stride_q_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
     stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
     stride_bt_s, stride_cl,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
-    NBP: tl.constexpr, BT: tl.constexpr, QK_DTYPE: tl.constexpr, PV_DTYPE: tl.constexpr, V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr,
-    V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
+    BT: tl.constexpr, ALIGN: tl.constexpr,
+    V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
+    V_MAXNUM: tl.constexpr,
 ):
     i_s = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -97,32 +116,30 @@ def pa_decode_partition_kernel(
     seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
     m_valid = (o_m < G * QL) & (row < nrows)
     p_qrow = p_q + (q0 + row)[:, None] * stride_q_t + (i_h * G + grp)[:, None] * stride_q_h + o_d[None, :]
-    if _QK16:
-        b_qf = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(tl.float32)
-        q_e = tl.max(tl.abs(b_qf), 1).to(tl.int32, bitcast=True) & 0x7F800000
-        q_pow = tl.where(q_e > 0, q_e.to(tl.float32, bitcast=True), 1.0)
-        b_q = (b_qf * (1.0 / q_pow)[:, None]).to(tl.float16)
-    else:
-        b_q = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(QK_DTYPE)
+    # Q scaled per row by a power of two (exact) into FP16's range
+    b_qf = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(tl.float32)
+    q_e = tl.max(tl.abs(b_qf), 1).to(tl.int32, bitcast=True) & 0x7F800000
+    q_pow = tl.where(q_e > 0, q_e.to(tl.float32, bitcast=True), 1.0)
+    b_q = (b_qf * (1.0 / q_pow)[:, None]).to(tl.float16)
     last = ctx - nrows + row  # row sees tokens 0..last
     first = tl.where(sliding_window > 0, last - sliding_window + 1, 0)
 
-    start = i_p * (NBP * BS)
-    end = tl.minimum(tl.minimum(start + NBP * BS, ctx), max_tokens)  # never past the table row
+    lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
+    live_p_ = i_p < n_live
+    start = lo + i_p * pt
+    end = tl.minimum(tl.minimum(start + pt, ctx), max_tokens)  # never past the table row
+    n_tiles = tl.cdiv(end - start, BT)  # <= 0 for partitions past the span (start >= ctx)
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, D], dtype=tl.float32)
     qk_scale = softmax_scale * 1.4426950408889634  # scores in log2 units: exp2 below
     if not K_PER_TOKEN:
         qk_scale = qk_scale * tl.load(p_ks)
-    if _QK16:
-        row_scale = qk_scale * q_pow
-    else:
-        row_scale = tl.full([BM], 1.0, tl.float32) * qk_scale
+    row_scale = qk_scale * q_pow
     # Token tiles of BT tokens: a tile spans BT / BS blocks (BT >= BS) or a part of one (BT < BS);
     # each token's block id is gathered from the table, masked past the partition's end, so table
-    # entries past the context are never dereferenced. Constexpr trip count (NBP * BS / BT).
-    for jt in tl.range(0, (NBP * BS) // BT):
+    # entries past the context are never dereferenced. Dynamic trip count: the partition's tiles.
+    for jt in tl.range(0, n_tiles):
         tile_start = start + jt * BT
         tok = tile_start + o_t
         live_t = tok < end
@@ -132,8 +149,8 @@ def pa_decode_partition_kernel(
         b = tl.load(p_bt + seq * stride_bt_s + blk_idx, mask=blk_idx * BS < end, other=0).to(tl.int64)
         if BT >= BS:  # whole blocks: the first token of every piece is the block's first
             t0 = 0
-        else:  # a block split into BS / BT tiles (start is a multiple of BS)
-            t0 = tl.multiple_of((jt * BT) % BS, TB)
+        else:  # a block split into BS / BT tiles (tile_start is a multiple of BT)
+            t0 = tl.multiple_of(tile_start % BS, TB)
         live_p = (tile_start + o_nt[:, None] * TB + o_tb[None, :]) < end  # [NT, TB] tokens in the context
         # loads are masked per piece (whole pieces of live blocks are in bounds), so the mask is
         # constant along the contiguous axis and the loads vectorize; the bytes of tokens past the
@@ -144,7 +161,7 @@ def pa_decode_partition_kernel(
         p_k = p_kc + i_h * stride_kc_h + b[:, None, None, None] * stride_kc_b \
             + t_p[None, :, None, None] * stride_kc_t + o_c[None, None, :, None] * stride_kc_c + o_16[None, None, None, :]
         b_k = tl.load(p_k, mask=live_pc[:, None, None, None], other=0.0)
-        b_k = tl.reshape(b_k, (BT, D)).to(tl.float16 if _QK16 else QK_DTYPE)
+        b_k = tl.reshape(b_k, (BT, D)).to(tl.float16)
         if V5D:  # value_cache[b, h, t // 16, d, t % 16] as [D, NT, TB/16, 16]
             p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None, None] * stride_vc_3 \
                 + b[None, :, None, None] * stride_vc_b + (t0 // 16 + o_tb16)[None, None, :, None] * stride_vc_2 \
@@ -167,30 +184,31 @@ def pa_decode_partition_kernel(
         b_p = tl.exp2(b_s - m_base[:, None])
         alpha = tl.exp2(b_m - m_base)
         b_l = b_l * alpha + tl.sum(b_p, 1)
-        if _VSQ:
-            b_vt = tl.maximum(b_vt.to(PV_DTYPE), tl.full([1, 1], -448.0, PV_DTYPE))
+        if V_MAXNUM:  # IEEE maxNum returns the non-NaN operand; every FP8 value is >= -448
+            b_vt = tl.maximum(b_vt.to(tl.float16), tl.full([1, 1], -448.0, tl.float16))
         else:
-            b_vt = tl.where(live_t[None, :], b_vt.to(tl.float32), 0.0).to(PV_DTYPE)  # NaN bytes past the context
+            b_vt = tl.where(live_t[None, :], b_vt.to(tl.float32), 0.0).to(tl.float16)  # NaN bytes past the context
         if V_PER_TOKEN:
             vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :], mask=live_p, other=0.0)
             b_p = b_p * tl.reshape(vs_t, (BT,))[None, :]
-        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(PV_DTYPE), tl.trans(b_vt))
+        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(tl.float16), tl.trans(b_vt))
         b_m = m_new
     if not V_PER_TOKEN:
         b_acc = b_acc * tl.load(p_vs)
     b_m = b_m * 0.6931471805599453  # back to natural-log units for the reduce (and the sinks)
     ws = ((i_s * HKV + i_h) * P + i_p) * BM
-    tl.store(p_ws_m + ws + o_m, b_m)
-    tl.store(p_ws_l + ws + o_m, b_l)
-    tl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], b_acc)
+    tl.store(p_ws_m + ws + o_m, b_m, mask=live_p_)
+    tl.store(p_ws_l + ws + o_m, b_l, mask=live_p_)
+    tl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], b_acc, mask=live_p_)
 
 
 @triton.jit
 def pa_decode_reduce_kernel(
     p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_cl, p_chunks,
+    sliding_window, few_target, min_pt, long_pt, P,
     stride_o_t, stride_o_h, stride_cl,
-    HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr,
+    HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
+    ALIGN: tl.constexpr, HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr,
 ):
     i_s = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -200,9 +218,10 @@ def pa_decode_reduce_kernel(
     grp = o_m % G
     seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
     m_valid = (o_m < G * QL) & (row < nrows)
+    lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
     base = (i_s * HKV + i_h) * P * BM
     m_all = tl.full([BM], float("-inf"), dtype=tl.float32)
-    for p in tl.range(0, P):
+    for p in tl.range(0, n_live):
         m_all = tl.maximum(m_all, tl.load(p_ws_m + base + p * BM + o_m))
     if HAS_SINKS:
         b_sink = tl.load(p_sinks + i_h * G + grp)
@@ -210,7 +229,7 @@ def pa_decode_reduce_kernel(
     m_base = tl.where(m_all == float("-inf"), 0.0, m_all)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, D], dtype=tl.float32)
-    for p in tl.range(0, P):
+    for p in tl.range(0, n_live):
         w = tl.exp(tl.load(p_ws_m + base + p * BM + o_m) - m_base)
         b_l += tl.load(p_ws_l + base + p * BM + o_m) * w
         b_acc += tl.load(p_ws_acc + (base + p * BM + o_m)[:, None] * D + o_d[None, :]) * w[:, None]

@@ -15,9 +15,7 @@ SHIPPED_CONFIGS = [(D, bs, m, v5, pt) for D in (64, 128, 256) for bs in (16, 64,
 
 
 def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = False, per_token: bool = False,
-                 NBP: int = 8, kernel: str = "partition", ragged: bool = False) -> Dict[str, int]:
-    import triton.language as tl
-
+                 kernel: str = "partition", ragged: bool = False) -> Dict[str, int]:
     from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel
     from .write_kv import write_kv_kernel
 
@@ -34,16 +32,16 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
             types[n] = "*fp32"
         elif n == "softmax_scale":
             types[n] = "fp32"
-        elif n.startswith("stride_") or n in ("sliding_window", "capacity", "max_tokens"):
+        elif n.startswith("stride_") or n in ("sliding_window", "capacity", "max_tokens", "few_target", "min_pt",
+                                              "long_pt", "P"):
             types[n] = "i32"
     BM = M
     if kernel == "partition":
         from . import decode_tiling
 
-        bt, warps, stages = decode_tiling(D, BM)
-        bt = min(bt, NBP * block_size)
-        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, BS=block_size, NBP=NBP, BT=bt, QK_DTYPE=tl.bfloat16,
-                          PV_DTYPE=tl.float16, V5D=v5d, K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged)
+        bt, warps, stages = decode_tiling(D, BM, block_size)
+        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, BS=block_size, BT=bt, ALIGN=max(bt, block_size), V5D=v5d,
+                          K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged, V_MAXNUM=True)
     elif kernel == "write":
         constexprs = dict(D=D, BS=block_size, FMAX=448.0, MIN_EXP=-6, V5D=v5d, K_PER_TOKEN=per_token,
                           V_PER_TOKEN=per_token)
@@ -52,7 +50,7 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
     else:
         from . import reduce_warps
 
-        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, P=8, HAS_SINKS=True, RAGGED=ragged)
+        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, ALIGN=64, HAS_SINKS=True, RAGGED=ragged)
         warps, stages = reduce_warps(D, BM), 3
     if kernel in ("partition", "write") and not v5d:
         # Triton specializes an integer argument equal to 1 as a constant at launch: the 4-D V

@@ -1,0 +1,107 @@
+"""Plan once per batch, run per layer (DESIGN §4.1; FlashInfer's plan/run split).
+
+A server's forward step runs the same paged attention batch through every layer: the block
+tables, context lengths and query layout are the batch's, only the query, the layer's caches and
+its scalars change. ``plan_decode`` / ``plan_prefill`` check the batch once, from what the
+framework already holds on the host (query offsets, an upper bound on the context), and
+``PAPlan.run`` does the per-layer part: cheap shape checks (the cache layout check is memoized per
+cache), the implementation chosen once per layer shape, and the launch state (split-K plan,
+prefill work items on the device, workspace views) made once per plan. No host sync per layer.
+
+    plan = plan_decode(block_tables, context_lengths, query_length=1, max_context=None)
+    for layer in layers:
+        plan.run(q, key_cache, value_cache, key_scale, value_scale, softmax_scale=..., out=o)
+
+CUDA graphs: a decode plan is shape-only (its grid depends on the batch size and the table width,
+or on ``max_context`` when given); capture one and refill its ``block_tables`` /
+``context_lengths`` buffers in place before each replay: the kernels read the lengths on the
+device and split each sequence's real context. A prefill plan's work items are fixed by the query
+offsets it was made with, so a captured prefill replays only the same query layout.
+
+The eager ops ``pa_decode`` / ``pa_prefill`` are a one-layer plan each.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .contract import PABatch, check_batch, check_layer
+
+__all__ = ["PAPlan", "plan_decode", "plan_prefill"]
+
+
+class PAPlan:
+    """A checked batch plus the per-batch state implementations keep (``state``)."""
+
+    def __init__(self, batch: PABatch, *, max_context: Optional[int] = None, backend: str = "auto"):
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                        or max_context < 0):
+            raise ValueError(f"max_context: expected None or an int >= 0, got {max_context!r}")
+        self.batch = batch
+        self.max_context = max_context  # an upper bound on every context (None: the table width)
+        self.backend = backend
+        self.state: dict = {}  # implementation launch state, keyed by the implementation and layer shape
+        self._impls: dict = {}  # layer signature -> Implementation (chosen once)
+
+    @property
+    def device(self) -> torch.device:
+        return self.batch.device
+
+    @property
+    def num_seqs(self) -> int:
+        return self.batch.num_seqs
+
+    @property
+    def is_decode(self) -> bool:
+        return self.batch.is_decode
+
+    def run(self, query, key_cache, value_cache, key_scale, value_scale, *, softmax_scale: Optional[float] = None,
+            sliding_window: int = 0, sinks=None, num_partitions: Optional[int] = None,
+            out: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
+        """One layer's attention over the planned batch. Arguments as in :func:`pa_decode` /
+        :func:`pa_prefill` (``query`` [T, Hq, D]; ``out`` filled in place and returned).
+        ``backend`` overrides the plan's choice (an adapter's per-layer setting)."""
+        from .api import REGISTRY
+
+        p = check_layer(self.batch, query=query, key_cache=key_cache, value_cache=value_cache, key_scale=key_scale,
+                        value_scale=value_scale, softmax_scale=softmax_scale, sliding_window=sliding_window,
+                        sinks=sinks, num_partitions=num_partitions, out=out, anchor="block_tables")
+        p.plan = self
+        c = p.cache
+        sig = (p.Hq, c.Hkv, c.D, c.block_size, c.key_cache.dtype, c.v_transposed, c.k_per_token, c.v_per_token,
+               p.query.dtype, p.sinks is not None, p.sliding_window > 0, p.softmax_scale == c.D ** -0.5,
+               num_partitions, backend)
+        impl = self._impls.get(sig)
+        if impl is None:
+            impl = self._impls[sig] = REGISTRY.select(p, backend or self.backend, device_type=p.device.type,
+                                                      site_depth=1)
+        return impl.run(p)
+
+
+def plan_decode(block_tables, context_lengths, *, query_length: int = 1, max_context: Optional[int] = None,
+                backend: str = "auto") -> PAPlan:
+    """Plan a decode batch: ``block_tables`` [num_seqs, max_blocks] int32, ``context_lengths``
+    [num_seqs] int32 (new tokens included; read on the device at run time, so the buffers may be
+    refilled between runs), ``query_length`` rows per sequence (1..4). ``max_context``: an upper
+    bound on every context the plan will run with (None: the table width; CUDA graphs should
+    leave it None or give the largest context they will replay)."""
+    return PAPlan(check_batch(block_tables=block_tables, context_lengths=context_lengths, query_length=query_length),
+                  max_context=max_context, backend=backend)
+
+
+def plan_prefill(block_tables, query_start_loc, context_lengths, *, query_start_loc_host: Optional[Sequence[int]] = None,
+                 max_context: Optional[int] = None, backend: str = "auto") -> PAPlan:
+    """Plan a ragged batch (extend, chunked prefill, mixed): ``query_start_loc`` [num_seqs + 1]
+    int32 on the device and, to avoid a host sync, its values on the host
+    (``query_start_loc_host``: a list or CPU tensor; checked non-decreasing from >= 0). The work
+    items (chunks of query rows) are made from them once, on the first run."""
+    if isinstance(query_start_loc_host, torch.Tensor):
+        if query_start_loc_host.device.type != "cpu":
+            raise ValueError("query_start_loc_host: expected host values (a list or a CPU tensor), got a tensor on "
+                             f"{query_start_loc_host.device}")
+        query_start_loc_host = query_start_loc_host.tolist()
+    return PAPlan(check_batch(block_tables=block_tables, context_lengths=context_lengths,
+                              query_start_loc=query_start_loc, query_start_loc_host=query_start_loc_host, prefill=True),
+                  max_context=max_context, backend=backend)

@@ -1,0 +1,185 @@
+"""Plan once per batch, run per layer; work that follows the real context (issue 15, DESIGN §4.1).
+
+CPU: the Triton kernels through the interpreter and the reference. The CUDA-graph and host-sync
+cases are GPU-marked (run on the device).
+"""
+
+import pytest
+import torch
+
+from pa_backend import REGISTRY, pa_decode, pa_prefill, plan_decode, plan_prefill
+from pa_backend.testing import make_pa_case
+
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not REGISTRY.get("triton").is_available()[0],
+                                                                  reason="triton not usable here"))]
+GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+LAYER_ARGS = ("query", "key_cache", "value_cache", "key_scale", "value_scale")
+
+
+def widen(case, extra_blocks: int = 300):
+    """The case's block table with ``extra_blocks`` more columns of garbage: ids of NaN pages, of
+    other sequences' pages and ids far past the cache — none may be dereferenced."""
+    bt = case.kwargs["block_tables"]
+    NB = case.kwargs["key_cache"].shape[0]
+    g = torch.Generator().manual_seed(5)
+    junk = torch.randint(0, NB, (bt.shape[0], extra_blocks), generator=g, dtype=torch.int32)
+    junk[:, ::3] = 10**7  # far past the cache
+    return torch.cat([bt, junk.to(bt.device)], 1)
+
+
+def prefill_case(**kw):
+    return make_pa_case([40, 7, 90], query_lengths=[40, 3, 17], Hq=4, Hkv=2, D=64, extra_table=0, device=DEVICE,
+                        seed=3, **kw)
+
+
+def decode_case(**kw):
+    return make_pa_case([40, 7, 130, 0], query_length=kw.pop("query_length", 1), Hq=8, Hkv=2, D=64, extra_table=0,
+                        device=DEVICE, seed=4, **kw)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("kind", ["decode", "decode-ql3", "prefill", "window-sinks"])
+def test_wide_table_is_bit_identical_to_exact(impl, kind):
+    """A server-width table (garbage past each context) gives exactly the exact-width output."""
+    if kind == "prefill":
+        c = prefill_case()
+    elif kind == "window-sinks":
+        c = decode_case(sliding_window=37, sinks=True, scales="token")
+    else:
+        c = decode_case(query_length=3 if kind == "decode-ql3" else 1)
+    exact = c.call(impl, out=None)
+    wide = c.call(impl, out=None, block_tables=widen(c))
+    assert torch.isfinite(exact).all()
+    assert torch.equal(exact, wide)
+    # through a plan (shape-only, and with the batch's max context): the same bytes
+    bt = widen(c)
+    kw = c.kwargs
+    args = {k: kw[k] for k in LAYER_ARGS}
+    scal = dict(sliding_window=kw.get("sliding_window", 0), sinks=kw.get("sinks"))
+    if c.prefill:
+        plans = [plan_prefill(bt, kw["query_start_loc"], kw["context_lengths"], backend=impl),
+                 plan_prefill(bt, kw["query_start_loc"], kw["context_lengths"],
+                              query_start_loc_host=kw["query_start_loc"].tolist(), max_context=90, backend=impl)]
+    else:
+        plans = [plan_decode(bt, kw["context_lengths"], query_length=kw["query_length"], backend=impl),
+                 plan_decode(bt, kw["context_lengths"], query_length=kw["query_length"], max_context=130, backend=impl)]
+    for plan in plans:
+        assert torch.equal(plan.run(**args, **scal), exact)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_plan_is_reused_across_layers(impl):
+    """One plan, several layers with their own caches, queries, outputs and scalars: each equals
+    the eager op on that layer; the launch state is made once."""
+    layers = [decode_case(scales=s) for s in ("tensor", "token")]  # same batch layout (same seed): two caches
+    base = layers[0].kwargs
+    plan = plan_decode(widen(layers[0]), base["context_lengths"], backend=impl)
+    g = torch.Generator().manual_seed(9)
+    for i, c in enumerate(layers * 2):
+        kw = dict(c.kwargs, query=torch.randn(base["query"].shape, generator=g).bfloat16().to(DEVICE))
+        out = torch.full_like(kw["query"], float("nan"))
+        got = plan.run(*(kw[k] for k in LAYER_ARGS), softmax_scale=0.1 + 0.05 * i, out=out)
+        assert got is out
+        want = pa_decode(**dict(kw, out=None), softmax_scale=0.1 + 0.05 * i, backend=impl)
+        assert torch.equal(got, want)
+    if impl == "triton":
+        assert len(plan.state) == 1  # one layer shape: launch state made once
+
+
+def test_plan_checks_layer_arguments_against_the_batch():
+    c = decode_case()
+    kw = c.kwargs
+    plan = plan_decode(kw["block_tables"], kw["context_lengths"], backend="torch")
+    with pytest.raises(ValueError, match="query: expected 4 sequences x query_length 1"):
+        plan.run(kw["query"][:2], *(kw[k] for k in LAYER_ARGS[1:]))
+    with pytest.raises(ValueError, match="out: shares memory with query"):
+        plan.run(*(kw[k] for k in LAYER_ARGS), out=kw["query"])
+    p = prefill_case()
+    with pytest.raises(ValueError, match="query_start_loc: expected non-decreasing"):
+        plan_prefill(p.kwargs["block_tables"], p.kwargs["query_start_loc"], p.kwargs["context_lengths"],
+                     query_start_loc_host=[0, 40, 30, 60])
+    plan = plan_prefill(p.kwargs["block_tables"], p.kwargs["query_start_loc"], p.kwargs["context_lengths"],
+                        query_start_loc_host=p.kwargs["query_start_loc"].tolist())
+    with pytest.raises(ValueError, match="query_start_loc: the last offset 60 is past the query's 59 rows"):
+        plan.run(p.kwargs["query"][:59], *(p.kwargs[k] for k in LAYER_ARGS[1:]))
+    with pytest.raises(ValueError, match="max_context: expected None or an int >= 0"):
+        plan_decode(kw["block_tables"], kw["context_lengths"], max_context=-1)
+
+
+def test_decode_partitions_follow_the_context():
+    """The split is made per sequence on the device: with a huge table and a short context every
+    sequence still uses the partitions its own context needs (checked through the kernel's helper
+    rule, mirrored here), and the grid's P does not grow without bound."""
+    from pa_backend.planner import MAX_PARTITIONS, plan_partitions
+
+    sp_wide = plan_partitions(32, 8, 1 << 17, 132)
+    sp_exact = plan_partitions(32, 8, 2048, 132)
+
+    def p_s(span, sp):
+        return max(1, min(sp.P, max(-(-span // sp.long_tokens), sp.few), -(-span // sp.min_tokens)))
+
+    for span in (1, 100, 2048, 30000):
+        if span <= 2048:
+            assert p_s(span, sp_wide) == p_s(span, sp_exact)
+    assert sp_wide.P <= MAX_PARTITIONS
+
+
+# --- GPU: CUDA graphs and host syncs -------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+@pytest.mark.gpu
+def test_graph_replay_wide_table_equals_exact_eager(kind):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    c = prefill_case() if kind == "prefill" else decode_case()
+    kw = c.kwargs
+    exact = c.call("triton", out=None)
+    bt = widen(c, 8000)  # 128k tokens of garbage columns
+    out = torch.full_like(kw["query"], float("nan"))
+    args = {k: kw[k] for k in LAYER_ARGS}
+    cl = kw["context_lengths"].clone()
+    if c.prefill:
+        plan = plan_prefill(bt, kw["query_start_loc"], cl, query_start_loc_host=kw["query_start_loc"].tolist(),
+                            backend="triton")
+    else:
+        plan = plan_decode(bt, cl, backend="triton")
+    plan.run(**args, out=out)  # warm-up: compiles, allocates the launch state
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        plan.run(**args, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, exact)
+    if not c.prefill:  # contexts refilled in place: the captured kernels split the new contexts
+        new = torch.tensor([3, 7, 129, 16], dtype=torch.int32, device=DEVICE)
+        cl.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = c.call("triton", out=None, context_lengths=new)
+        assert torch.equal(out, want)
+
+
+@pytest.mark.gpu
+def test_multi_layer_step_does_not_sync_the_host():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    c = prefill_case()
+    d = decode_case()
+    pp = plan_prefill(widen(c), c.kwargs["query_start_loc"], c.kwargs["context_lengths"],
+                      query_start_loc_host=c.kwargs["query_start_loc"].tolist(), backend="triton")
+    pd = plan_decode(widen(d), d.kwargs["context_lengths"], max_context=130, backend="triton")
+    outs = [torch.empty_like(x.kwargs["query"]) for x in (c, d)]
+    for plan, x, o in ((pp, c, outs[0]), (pd, d, outs[1])):
+        plan.run(*(x.kwargs[k] for k in LAYER_ARGS), out=o)  # first layer: launch state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):  # eight layers of a mixed step
+            for plan, x, o in ((pp, c, outs[0]), (pd, d, outs[1])):
+                plan.run(*(x.kwargs[k] for k in LAYER_ARGS), out=o)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[0]).all() and torch.isfinite(outs[1]).all()
