@@ -7,6 +7,7 @@ and what was given. Nothing here touches tensor data on the device (no host sync
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable, Optional, Sequence, Tuple, Union
 
@@ -27,6 +28,8 @@ __all__ = [
     "require_int32_span",
     "require_float",
     "require_disjoint",
+    "require_disjoint_from",
+    "addresses",
     "require_data",
     "may_overlap",
 ]
@@ -138,12 +141,13 @@ def require_float(v, name: str, *, finite: bool = True, positive: bool = False, 
     return f
 
 
-def _addresses(t: torch.Tensor):
-    """(first byte, one past the last byte, [(byte stride, size), ...] of the dims with size > 1)."""
-    es = t.element_size()
-    lo = hi = t.data_ptr()
+@functools.lru_cache(maxsize=4096)
+def _layout(shape, stride, es: int):
+    """(first byte, one past the last byte) relative to the data pointer, and [(byte stride, size)]
+    of the dims with size > 1, for a strided view (memoized: layer calls repeat a few layouts)."""
+    lo = hi = 0
     dims = []
-    for size, st in zip(t.shape, t.stride()):
+    for size, st in zip(shape, stride):
         if size > 1:
             span = (size - 1) * st * es
             if span < 0:
@@ -151,7 +155,14 @@ def _addresses(t: torch.Tensor):
             else:
                 hi += span
             dims.append((abs(st) * es, int(size)))
-    return lo, hi + es, dims
+    return lo, hi + es, tuple(dims)
+
+
+def _addresses(t: torch.Tensor):
+    """(first byte, one past the last byte, ((byte stride, size), ...) of the dims with size > 1)."""
+    lo, hi, dims = _layout(t.shape, t.stride(), t.element_size())
+    base = t.data_ptr()
+    return base + lo, base + hi, dims
 
 
 def _residues(lo: int, hi: int, dims, period: int):
@@ -170,7 +181,7 @@ def _disjoint(a, b) -> bool:
     blo, bhi, bdims = b
     if ahi <= blo or bhi <= alo:
         return True
-    for period in sorted({st for st, _ in adims + bdims if st > 0}, reverse=True):
+    for period in sorted({st for st, _ in adims + bdims if st > 0}, reverse=True):  # noqa: C414
         ra, rb = _residues(alo, ahi, adims, period), _residues(blo, bhi, bdims, period)
         if ra is None or rb is None:
             continue
@@ -193,6 +204,25 @@ def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0 or b.numel() == 0 or a.device.type == "meta" or b.device.type == "meta":
         return False  # no memory (meta tensors are rejected by require_data)
     return not _disjoint(_addresses(a), _addresses(b))
+
+
+def addresses(named: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> list:
+    """[(name, address summary)] of the non-empty, non-meta tensors among ``named``: computed once
+    for arguments that do not change between calls (a plan's batch tensors, a layer's caches) and
+    given to ``require_disjoint_from``."""
+    return [(n, _addresses(t)) for n, t in named
+            if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta"]
+
+
+def require_disjoint_from(name: str, t: Optional[torch.Tensor], others: Sequence[Tuple[str, tuple]]) -> None:
+    """``t`` (written by the call) shares no memory with any of ``others`` (from ``addresses``)."""
+    if not isinstance(t, torch.Tensor) or not t.numel() or t.device.type == "meta":
+        return
+    a = _addresses(t)
+    for on, oa in others:
+        if not _disjoint(a, oa):
+            raise ValueError(f"{name}: shares memory with {on}; {name} is written by the call, so it must not "
+                             f"overlap any other argument (pass separate buffers)")
 
 
 def require_disjoint(written: Sequence[Tuple[str, Optional[torch.Tensor]]],

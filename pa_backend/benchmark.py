@@ -94,12 +94,11 @@ def bench_case(B: int, ctx, ql: int, Hq: int, Hkv: int, D: int, bs: int, scales:
 
 
 def gather_sdpa(query, key_cache, value_cache, block_tables, context_lengths, key_scale, value_scale,
-                query_length: int = 1, **_) -> torch.Tensor:
+                query_length: int = 1, ctx: int = 0, **_unused) -> torch.Tensor:
     """Baseline: gather every sequence's pages, dequantize, SDPA. Assumes one context length, a
     multiple of the block size, given as ``ctx`` (what ``bench_case`` builds with ``ctx % bs == 0``:
     only the first ctx / bs table columns are gathered), and the 4-D V layout; no host sync."""
-    NB, Hkv, D16, bs, _ = key_cache.shape
-    ctx = int(_["ctx"])
+    NB, Hkv, D16, bs, _sixteen = key_cache.shape
     nb = ctx // bs
     block_tables = block_tables[:, :nb]
     B = int(block_tables.shape[0])

@@ -18,6 +18,8 @@ from backend_core.validation import (
     checked_tensor,
     require_data,
     require_disjoint,
+    require_disjoint_from,
+    addresses,
     may_overlap,
     require_float,
     require_non_overlapping,
@@ -50,6 +52,14 @@ class KVCache:
     Hkv: int
     D: int
     block_size: int
+    _addresses: Optional[list] = None
+
+    def addresses(self) -> list:
+        """Address summaries of the four tensors (for the output-overlap check), made once."""
+        if self._addresses is None:
+            self._addresses = addresses([("key_cache", self.key_cache), ("value_cache", self.value_cache),
+                                         ("key_scale", self.key_scale), ("value_scale", self.value_scale)])
+        return self._addresses
 
     @property
     def v_transposed(self) -> bool:
@@ -162,6 +172,14 @@ class PABatch:
     query_start_loc_host: Optional[Tuple[int, ...]]  # its checked values (prefill)
     query_length: int  # decode rows per sequence; 0 for prefill
     num_seqs: int
+    _addresses: Optional[list] = None
+
+    def addresses(self) -> list:
+        """Address summaries of the batch tensors (for the output-overlap check), made once."""
+        if self._addresses is None:
+            self._addresses = addresses([("block_tables", self.block_tables), ("context_lengths", self.context_lengths),
+                                         ("query_start_loc", self.query_start_loc)])
+        return self._addresses
 
     @property
     def device(self) -> torch.device:
@@ -207,6 +225,9 @@ def check_batch(*, block_tables, context_lengths, query_length=1, query_start_lo
 
 _CACHE_MEMO: "OrderedDict[tuple, KVCache]" = OrderedDict()
 _CACHE_MEMO_SIZE = 512  # a few hundred layers' caches; the check is a pure function of the key
+# the same tensor objects as a checked call (held here, so their ids cannot be reused), still at the
+# same address, shape and strides: the layer's own persistent caches
+_CACHE_BY_ID: dict = {}
 
 
 def _tensor_key(t):
@@ -218,6 +239,11 @@ def _tensor_key(t):
 def checked_cache(key_cache, value_cache, key_scale, value_scale, device, anchor: str) -> KVCache:
     """``_check_cache`` memoized on the tensors' addresses, shapes, strides, dtypes and devices (all
     the check reads), so the layers of a model are checked once per process, not per call."""
+    ids = (id(key_cache), id(value_cache), id(key_scale), id(value_scale))
+    same = _CACHE_BY_ID.get(ids)
+    if same is not None and same[0] is key_cache and same[1] is value_cache and same[2] is key_scale \
+            and same[3] is value_scale and same[5] == _tensor_key(key_cache) and key_cache.device == device:
+        return same[4]  # the very tensors checked before (a layer's persistent caches), unchanged
     key = tuple(_tensor_key(t) for t in (key_cache, value_cache, key_scale, value_scale))
     hit = _CACHE_MEMO.get(key)
     if hit is not None and key_cache.device == device:  # the four were checked to share one device
@@ -225,12 +251,17 @@ def checked_cache(key_cache, value_cache, key_scale, value_scale, device, anchor
         # the caller's own tensors (the same memory, shapes and strides as the checked ones)
         ks = key_scale if hit.k_per_token else key_scale.reshape(())
         vs = value_scale if hit.v_per_token else value_scale.reshape(())
-        return KVCache(key_cache, value_cache, ks, vs, hit.num_blocks, hit.Hkv, hit.D, hit.block_size)
-    cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor)
-    if device.type != "meta":
+        cache = KVCache(key_cache, value_cache, ks, vs, hit.num_blocks, hit.Hkv, hit.D, hit.block_size)
+    else:
+        cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor)
+        if device.type == "meta":
+            return cache
         _CACHE_MEMO[key] = cache
         if len(_CACHE_MEMO) > _CACHE_MEMO_SIZE:
             _CACHE_MEMO.popitem(last=False)
+    _CACHE_BY_ID[ids] = (key_cache, value_cache, key_scale, value_scale, cache, key[0])
+    if len(_CACHE_BY_ID) > _CACHE_MEMO_SIZE:
+        _CACHE_BY_ID.pop(next(iter(_CACHE_BY_ID)))
     return cache
 
 
@@ -284,10 +315,8 @@ def check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, val
         require_shape(out, "out", tuple(query.shape), "the query's shape")
         if not out.is_contiguous():
             raise ValueError(f"out: expected a contiguous tensor, got strides {tuple(out.stride())}")
-        require_disjoint([("out", out)], [
-            ("query", query), ("key_cache", cache.key_cache), ("value_cache", cache.value_cache),
-            ("key_scale", cache.key_scale), ("value_scale", cache.value_scale), ("block_tables", batch.block_tables),
-            ("context_lengths", batch.context_lengths), ("query_start_loc", batch.query_start_loc), ("sinks", sinks)])
+        require_disjoint_from("out", out, addresses([("query", query), ("sinks", sinks)]) + cache.addresses()
+                              + batch.addresses())
     return PAProblem(query=query, cache=cache, block_tables=batch.block_tables, context_lengths=batch.context_lengths,
                      query_start_loc=batch.query_start_loc, query_start_loc_host=batch.query_start_loc_host,
                      query_length=batch.query_length, num_seqs=N, Hq=Hq,

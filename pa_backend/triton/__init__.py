@@ -24,7 +24,7 @@ from ..contract import PAProblem, WriteProblem
 from ..fp8 import fp8_max
 from ..planner import PROGRAMS_PER_SM, plan_partitions, work_rows, workspace
 
-__all__ = ["available", "supports", "run", "decode_tiling", "reduce_warps"]
+__all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "reduce_warps"]
 
 
 def available() -> Tuple[bool, str]:
@@ -71,6 +71,24 @@ def decode_tiling(D: int, BM: int, block_size: int = 16) -> Tuple[int, int, int]
     # 5 stages: the first count at which Triton 3.6 double-buffers the K/V copies (pa_decode.py)
     return (bt, _env_int("FLYDSL_BACKENDS_PA_TRITON_WARPS", 4 if D <= 128 else 8),
             _env_int("FLYDSL_BACKENDS_PA_TRITON_STAGES", 5))
+
+
+@functools.lru_cache(maxsize=1024)
+def prefill_tiling(D: int, G: int, block_size: int = 16) -> Tuple[int, int, int, int]:
+    """(query rows per work item, BT, warps, stages) of a prefill launch: a work item is a tile of
+    query rows of one sequence times its GQA group (the dots' M = rows * G). FLYDSL_BACKENDS_PA_PREFILL_M
+    / _BT / _WARPS / _STAGES override them (call ``prefill_tiling.cache_clear()`` after changing them).
+    H200 sweep (benchmarks/results/pa_sweep_H200_2026-12-03.txt, D=128, GQA 4, 128k tables): M 128
+    won; with 4 warps it was fastest (5.2 ms at B=4 x 2048 new on a 6144 prefix, vs 6.2 ms at M 64)
+    but spills registers on sm_90, so the shipped setting is the best spill-free one: M 128, BT 64,
+    8 warps, 2 stages (5.8 ms)."""
+    m = _env_int("FLYDSL_BACKENDS_PA_PREFILL_M", 128 if D <= 128 else 64)
+    rows = max(1, m // G)
+    bt, warps, stages = decode_tiling(D, work_rows(G, rows), block_size)
+    if D <= 128 and work_rows(G, rows) >= 128:
+        bt, warps, stages = 64, 8, 2
+    return (rows, _env_int("FLYDSL_BACKENDS_PA_PREFILL_BT", bt), _env_int("FLYDSL_BACKENDS_PA_PREFILL_WARPS", warps),
+            _env_int("FLYDSL_BACKENDS_PA_PREFILL_STAGES", stages))
 
 
 def programs_per_sm() -> int:
@@ -140,13 +158,18 @@ class _Launch:
             self.QL, self.items, self.chunks = p.query_length, p.num_seqs, None
             self.zero_rows = None
         else:
-            self.QL = max(1, 64 // self.G)
+            self.QL = prefill_tiling(self.D, self.G, c.block_size)[0]
             rows = prefill_chunks(p.query_start_loc_host, self.QL)
             self.items = len(rows)
             self.chunks = _to_device(rows, p.device)
             self.zero_rows = (p.query_start_loc_host[0], p.query_start_loc_host[-1])  # rows outside every sequence
         self.BM = work_rows(self.G, self.QL)
-        bt, self.warps, self.stages = decode_tiling(self.D, self.BM, c.block_size)
+        if p.is_decode:
+            bt, self.warps, self.stages = decode_tiling(self.D, self.BM, c.block_size)
+        else:
+            _, bt, self.warps, self.stages = prefill_tiling(self.D, self.G, c.block_size)
+        if bt & (bt - 1) or bt < 16:
+            raise ValueError(f"BT={bt}: expected a power of two >= 16")
         if c.block_size & (c.block_size - 1):
             # a block of 48, 80, 96 or 112 tokens: tiles of its largest power-of-two divisor (>= 16), so a
             # tile always lies inside one block

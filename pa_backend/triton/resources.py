@@ -39,8 +39,14 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
     if kernel == "partition":
         from . import decode_tiling
 
+        G, QL = M, 1
         bt, warps, stages = decode_tiling(D, BM, block_size)
-        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, BS=block_size, BT=bt, ALIGN=max(bt, block_size), V5D=v5d,
+        if ragged:  # prefill: GQA 4, the shipped prefill tiling for M rows
+            from . import prefill_tiling
+
+            G, QL = 4, M // 4
+            _, bt, warps, stages = prefill_tiling(D, G, block_size)
+        constexprs = dict(HKV=1, G=G, QL=QL, BM=BM, D=D, BS=block_size, BT=bt, ALIGN=max(bt, block_size), V5D=v5d,
                           K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged, V_MAXNUM=True)
     elif kernel == "write":
         constexprs = dict(D=D, BS=block_size, FMAX=448.0, MIN_EXP=-6, V5D=v5d, K_PER_TOKEN=per_token,
