@@ -97,9 +97,11 @@ def gather_sdpa(query, key_cache, value_cache, block_tables, context_lengths, ke
                 query_length: int = 1, ctx: int = 0, **_unused) -> torch.Tensor:
     """Baseline: gather every sequence's pages, dequantize, SDPA. Assumes one context length, a
     multiple of the block size, given as ``ctx`` (what ``bench_case`` builds with ``ctx % bs == 0``:
-    only the first ctx / bs table columns are gathered), and the 4-D V layout; no host sync."""
+    only the first ctx / bs table columns are gathered; 0: the whole table row), and the 4-D V
+    layout; no host sync."""
     NB, Hkv, D16, bs, _sixteen = key_cache.shape
-    nb = ctx // bs
+    nb = ctx // bs if ctx else int(block_tables.shape[1])  # 0: the table is exactly as wide as the context
+    ctx = nb * bs
     block_tables = block_tables[:, :nb]
     B = int(block_tables.shape[0])
     D = D16 * 16

@@ -105,6 +105,9 @@ def test_benchmark_baseline_matches_reference(ql, scales, Hq):
     ref = pa_decode(**kw, backend="torch").double()
     base = gather_sdpa(**kw).double()
     assert ((base - ref).norm() / ref.norm()).item() < 2e-2
+    junk = torch.full((3, 28), 10**6, dtype=torch.int32)  # a server-width table: garbage past the context
+    wide = dict(kw, block_tables=torch.cat([kw["block_tables"], junk], 1))
+    assert torch.equal(gather_sdpa(**wide, ctx=64).double(), base)
     from pa_backend.benchmark import accuracy
 
     assert accuracy(kw, ref.to(torch.bfloat16)) < 5e-3  # the bench's accuracy column: bf16 rounding only
