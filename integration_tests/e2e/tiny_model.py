@@ -1,0 +1,117 @@
+"""A tiny Llama-architecture GQA model built at run time (no download) whose greedy tokens depend
+on reading the right K/V.
+
+Seeded random weights are numerically chaotic (bf16 vs fp32 already disagree on many greedy
+tokens), so two backends' disagreement would say nothing. This model plants, in layer 0, one
+attention head that attends to the token ``COPY_BACK`` positions back (a RoPE-relative pattern
+made from a constant feature of every embedding) and copies its identity into the residual
+stream; the LM head reads that identity. Greedy decoding therefore repeats the context with
+period ``COPY_BACK + 1`` (position m copies token m - COPY_BACK as the next one) by margins of
+~100 nats: FP8/bf16 rounding never flips a token, while a K or V read from
+the wrong slot does. The other heads and layers hold small seeded random weights (the stack must
+still run every layer's attention).
+
+``build(path)`` writes config.json + model.safetensors (Llama: hidden 512, 4 layers, 8 query / 2
+KV heads, head_dim 128, vocab 512); prompts are token ids (``skip_tokenizer_init=True``).
+``copy_rule_agreement(prompt, generated)``: the fraction of generated tokens that equal the token
+COPY_BACK + 1 positions earlier (1.0 when every K/V read was right).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+HIDDEN = 512
+LAYERS = 4
+HEADS = 8
+KV_HEADS = 2
+HEAD_DIM = 128
+INTER = 1024
+COPY_BACK = 7
+ROPE_THETA = 10000.0
+CODE = 128  # residual dims 0..127: the token's identity code (random +-1)
+CONST = 128  # residual dim 128: constant for every token (drives the planted head's q and k)
+COPIED = 256  # residual dims 256..383: the identity code the planted head copies from COPY_BACK back
+NOISE = 0.004  # scale of the seeded random weights everywhere else
+
+
+def config() -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB, "hidden_size": HIDDEN,
+        "intermediate_size": INTER, "num_hidden_layers": LAYERS, "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS, "head_dim": HEAD_DIM, "max_position_embeddings": 131072,
+        "rms_norm_eps": 1e-5, "rope_theta": ROPE_THETA, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "attention_bias": False, "mlp_bias": False,
+    }
+
+
+def weights(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g) * NOISE
+
+    codes = torch.where(torch.rand(VOCAB, CODE, generator=g) < 0.5, -1.0, 1.0)
+    emb = torch.zeros(VOCAB, HIDDEN)
+    emb[:, :CODE] = codes
+    emb[:, CONST] = math.sqrt(CODE)
+    w = {"model.embed_tokens.weight": emb}
+    half = HEAD_DIM // 2
+    inv = ROPE_THETA ** (-torch.arange(half, dtype=torch.float64) * 2 / HEAD_DIM)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        q, k = rnd(HEADS * HEAD_DIM, HIDDEN), rnd(KV_HEADS * HEAD_DIM, HIDDEN)
+        v, o = rnd(KV_HEADS * HEAD_DIM, HIDDEN), rnd(HIDDEN, HEADS * HEAD_DIM)
+        if i == 0:
+            # query head 0 (KV head 0). RoPE pairs dims (j, j + half) (HF's rotate_half): q = (c, 0) and
+            # k = c * (cos a_j, sin a_j) with a_j = COPY_BACK * theta_j per pair, so after rotation
+            # q_m . k_n = c^2 * sum_j cos((n - m + COPY_BACK) * theta_j): largest at n = m - COPY_BACK
+            c = 0.25
+            q[:HEAD_DIM] = 0
+            k[:HEAD_DIM] = 0
+            ang = (COPY_BACK * inv).float()
+            q[:half, CONST] = c
+            k[:half, CONST] = c * torch.cos(ang)
+            k[half:HEAD_DIM, CONST] = c * torch.sin(ang)
+            v[:HEAD_DIM] = 0
+            v[:HEAD_DIM, :CODE] = torch.eye(HEAD_DIM)  # V of KV head 0 = the identity code
+            o[:, :HEAD_DIM] = 0
+            o[COPIED:COPIED + HEAD_DIM, :HEAD_DIM] = torch.eye(HEAD_DIM)  # into the copied-code dims
+        w[p + "self_attn.q_proj.weight"] = q
+        w[p + "self_attn.k_proj.weight"] = k
+        w[p + "self_attn.v_proj.weight"] = v
+        w[p + "self_attn.o_proj.weight"] = o
+        w[p + "mlp.gate_proj.weight"] = rnd(INTER, HIDDEN)
+        w[p + "mlp.up_proj.weight"] = rnd(INTER, HIDDEN)
+        w[p + "mlp.down_proj.weight"] = rnd(HIDDEN, INTER)
+        w[p + "input_layernorm.weight"] = torch.ones(HIDDEN)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(HIDDEN)
+    w["model.norm.weight"] = torch.ones(HIDDEN)
+    lm = torch.zeros(VOCAB, HIDDEN)
+    lm[:, COPIED:COPIED + CODE] = codes  # logit of v = code(v) . copied code
+    w["lm_head.weight"] = lm
+    return {k: v.to(torch.bfloat16).contiguous() for k, v in w.items()}
+
+
+def build(path, seed: int = 0) -> Path:
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config(), indent=1))
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    save_file(weights(seed), str(path / "model.safetensors"))
+    return path
+
+
+def copy_rule_agreement(prompt, generated) -> float:
+    seq = list(prompt) + list(generated)
+    n0 = len(prompt)
+    period = COPY_BACK + 1
+    ok = sum(seq[i] == seq[i - period] for i in range(n0, len(seq)))
+    return ok / max(len(seq) - n0, 1)
