@@ -64,6 +64,16 @@ log = logging.getLogger("flydsl_backends.sglang")
 FLAG_VALUE = "flydsl"
 
 
+def _gate_params_fp32(A_log: torch.Tensor, dt_bias: torch.Tensor):
+    """``A_log`` and ``dt_bias`` as the op takes them (fp32, flat): models that keep them in bf16
+    (the layer's dtype) are converted — the same on every SGLang path into the op (logged once)."""
+    if A_log.dtype != torch.float32 or dt_bias.dtype != torch.float32:
+        _log_once("gate_fp32", logging.INFO, "KDA decode: A_log %s / dt_bias %s converted to float32 per call (the "
+                  "op reads fp32 gate parameters)", A_log.dtype, dt_bias.dtype)
+        A_log, dt_bias = A_log.float(), dt_bias.float()
+    return A_log.reshape(-1), dt_bias.reshape(-1)
+
+
 def _packed_decode(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, A_log: torch.Tensor,
                    dt_bias: torch.Tensor, scale: float, ssm_states: torch.Tensor, cache_indices: torch.Tensor,
                    num_v_heads: int, head_v_dim: int, lower_bound: Optional[float] = None,
@@ -74,7 +84,8 @@ def _packed_decode(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
     if mixed_qkv.dim() != 2 or int(mixed_qkv.shape[1]) != 3 * H * V:
         raise ValueError(f"mixed_qkv: expected [B, 3*{H}*{V}] (q, k, v heads of equal size), got {list(mixed_qkv.shape)}")
     out = torch.empty(1, B, H, V, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
-    kda_decode(mixed_qkv, None, None, a, b, A_log.reshape(-1), dt_bias.reshape(-1), ssm_states, cache_indices, None, None,
+    A_log, dt_bias = _gate_params_fp32(A_log, dt_bias)
+    kda_decode(mixed_qkv, None, None, a, b, A_log, dt_bias, ssm_states, cache_indices, None, None,
                lower_bound=lower_bound, scale=scale, out=out[0], backend=backend)
     return out
 
@@ -276,7 +287,8 @@ def k3_run_around(original, *, f_a, f_b_weight, mixed_qkv, conv_weight, conv_sta
     B, H, V = int(mixed_qkv.shape[0]), int(state.shape[1]), int(state.shape[2])
     if out is None:
         out = mixed_qkv.new_empty((1, B, H, V))
-    kda_decode_with_f_b(f_a, f_b_weight, mixed_qkv, conv_weight, conv_state, raw_beta, A_log.reshape(-1), dt_bias,
+    A_log, dt_bias = _gate_params_fp32(A_log, dt_bias)
+    kda_decode_with_f_b(f_a, f_b_weight, mixed_qkv, conv_weight, conv_state, raw_beta, A_log, dt_bias,
                         state, state_indices, output_gate, norm_weight, lower_bound=float(lower_bound),
                         norm_eps=float(norm_eps), out=out.view(B, H, V))
     return out
@@ -304,8 +316,9 @@ def k3_cuda_fused_decode_around(original, mixed_qkv, a, b, conv_states, w_q_t, w
         B, H, V = int(mixed_qkv.shape[0]), int(ssm_states.shape[-3]), int(ssm_states.shape[-2])
         conv_weight = _cuda_conv_weight(w_q_t, w_k_t, w_v_t)
         gate = onorm_g.view(B, H, V)
+        A32, dt32 = _gate_params_fp32(A_log, dt_bias)
         kw = dict(x=mixed_qkv, conv_weight=conv_weight, conv_state=conv_states.transpose(-1, -2), a=a, b=b,
-                  A_log=A_log.reshape(-1), dt_bias=dt_bias, state=ssm_states, state_indices=cache_indices,
+                  A_log=A32, dt_bias=dt32, state=ssm_states, state_indices=cache_indices,
                   output_gate=gate, norm_weight=onorm_weight, conv_bias=conv_bias, lower_bound=lower_bound,
                   norm_eps=float(onorm_eps), scale=float(scale))
         ok, why = _ours_covers(("k3_cuda", lower_bound is None) + _sig(*args), lambda: kw)

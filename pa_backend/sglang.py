@@ -351,6 +351,7 @@ def _build_backend_class():
                 raise ValueError("--attention-backend flydsl: the model's attention is MLA (not served); " + _WORKING)
             _check_page_size(self.page_size)
             _check_kv_dtype(self.kv_cache_dtype)
+            self._check_model_layers(runner)
             if self.data_type not in ACT_DTYPES:
                 raise ValueError(f"--dtype: the flydsl attention backend computes in bfloat16 or float16, got "
                                  f"{self.data_type}; use --dtype bfloat16 ({_WORKING})")
@@ -393,6 +394,32 @@ def _build_backend_class():
                 if self.num_q_heads % self.num_kv_heads or not 1 <= g <= _contract.MAX_GQA:
                     raise ValueError(f"--attention-backend flydsl supports GQA ratios 1..{_contract.MAX_GQA}; got "
                                      f"{self.num_q_heads} query heads over {self.num_kv_heads} KV heads per rank")
+
+        @staticmethod
+        def _check_model_layers(runner):
+            """At start-up (SGLang builds attention backends after loading the model): reject what the
+            forward would refuse at the first request — embedding / encoder-only models, cross-attention,
+            non-causal layers, logit soft-capping (Gemma-2, Grok) — naming the working combination."""
+            if getattr(runner, "is_generation", True) is False:
+                raise ValueError("--attention-backend flydsl serves causal decoder (generation) models; this is an "
+                                 "embedding / encoder-only model: use --attention-backend triton for it (" + _WORKING + ")")
+            model = getattr(runner, "model", None)
+            if model is None or not hasattr(model, "named_modules"):
+                return
+            from sglang.srt.layers.radix_attention import RadixAttention
+
+            for name, m in model.named_modules():
+                if not isinstance(m, RadixAttention):
+                    continue
+                if getattr(m, "is_cross_attention", False) or \
+                        getattr(getattr(m, "attn_type", None), "name", "DECODER") != "DECODER":
+                    raise ValueError(f"--attention-backend flydsl serves causal decoder self-attention only; layer "
+                                     f"{name} is cross-attention or non-causal: use --attention-backend triton "
+                                     f"(or flashinfer) for this model ({_WORKING})")
+                if (getattr(m, "logit_cap", 0) or 0) > 0:
+                    raise ValueError(f"--attention-backend flydsl does not apply logit soft-capping (layer {name}: "
+                                     f"logit_cap={m.logit_cap}, e.g. Gemma-2 / Grok): use --attention-backend triton "
+                                     f"for this model ({_WORKING})")
 
         # -- metadata ----------------------------------------------------------------------
         def _block_table(self, req_pool_indices: torch.Tensor) -> torch.Tensor:

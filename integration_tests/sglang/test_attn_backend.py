@@ -386,6 +386,30 @@ def test_backend_rejects_mla_and_foreign_pool():
         pas.FlyDSLAttnBackend(runner, pa_impl="torch")
 
 
+@pytest.mark.parametrize("what", ["logit_cap", "cross", "encoder", "embedding"])
+def test_unsupported_models_rejected_at_start_up(what):
+    """Soft-capping, cross-attention, encoder-only and embedding models fail when the backend is
+    built (after the model is loaded), not at the first request."""
+    from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
+
+    runner = H._mock_runner_class()(**_runner_kwargs())
+    kw = dict(num_heads=8, head_dim=64, scaling=0.125, num_kv_heads=2, layer_id=0)
+    if what == "logit_cap":
+        kw["logit_cap"] = 30.0
+    elif what == "cross":
+        kw["is_cross_attention"] = True
+    elif what == "encoder":
+        kw["attn_type"] = AttentionType.ENCODER_ONLY
+    runner.model.attn = RadixAttention(**kw)
+    if what == "embedding":
+        runner.is_generation = False
+    match = {"logit_cap": "soft-capping", "cross": "cross-attention", "encoder": "non-causal",
+             "embedding": "embedding"}[what]
+    with pytest.raises(ValueError, match=match) as ei:
+        pas.FlyDSLAttnBackend(runner, pa_impl="torch")
+    assert "--attention-backend triton" in str(ei.value)
+
+
 def test_import_does_not_pull_sglang():
     code = ("import sys, pa_backend, pa_backend.sglang; "
             "bad = [m for m in sys.modules if m == 'sglang' or m.startswith('sglang.')]; "

@@ -94,3 +94,21 @@ def test_meta_tensors_raise_value_error():
     case = make_case(B=2, H=1, K=32, W=4, device="meta")
     with pytest.raises(ValueError, match="x: expected a tensor with data, got one on the meta device"):
         kda_backend.kda_decode(**case.kwargs, backend="torch")
+
+
+def test_sglang_packed_decode_converts_bf16_gate_parameters():
+    """SGLang models may keep A_log / dt_bias in bf16: the adapter converts them (as on the K3
+    paths) instead of failing the op's fp32 check; the result equals fp32 parameters that hold the
+    same values."""
+    from kda_backend.sglang import _packed_decode
+
+    case = make_case(B=3, H=2, K=32, W=4, conv=False, norm=False, device=DEVICE, seed=6)
+    twin = clone_caches(case)
+    kw = case.kwargs
+    A16, dt16 = kw["A_log"].bfloat16(), kw["dt_bias"].bfloat16()
+    args = dict(scale=32 ** -0.5, cache_indices=kw["state_indices"], num_v_heads=2, head_v_dim=32, backend="torch")
+    got = _packed_decode(kw["x"], kw["a"], kw["b"], A_log=A16, dt_bias=dt16, ssm_states=kw["state"], **args)
+    tk = twin.kwargs
+    want = _packed_decode(tk["x"], tk["a"], tk["b"], A_log=A16.float(), dt_bias=dt16.float(),
+                          ssm_states=tk["state"], **args)
+    assert torch.equal(got, want)
