@@ -51,7 +51,9 @@ def _engine(model_dir, **kw):
 
     return LLM(model=str(model_dir), skip_tokenizer_init=True, attention_backend="FLYDSL", kv_cache_dtype="fp8",
                block_size=16, dtype="bfloat16", seed=0, enforce_eager=True,
-               compilation_config={"custom_ops": ["none"]}, max_num_seqs=16, **kw)
+               compilation_config={"custom_ops": ["none"]}, max_num_seqs=16,
+               # an explicit KV size: the CPU worker's default sizing counts every process on the node
+               kv_cache_memory_bytes=kw.pop("kv_cache_memory_bytes", 512 << 20), **kw)
 
 
 @pytest.fixture(scope="module")
