@@ -31,9 +31,7 @@ logger = logging.getLogger("flydsl_backends")
 
 Verdict = Tuple[bool, str]
 
-__all__ = ["Implementation", "OpRegistry", "Verdict", "BACKEND_NAMES"]
-
-BACKEND_NAMES = ("torch", "triton", "flydsl")
+__all__ = ["Implementation", "OpRegistry", "Verdict"]
 
 
 @dataclass
@@ -44,15 +42,6 @@ class Implementation:
     run: Callable[[Any], Any]
     description: str = ""
     _available_cache: Optional[Verdict] = field(default=None, repr=False)
-
-    @classmethod
-    def unavailable(cls, name: str, reason: str, description: str = "") -> "Implementation":
-        """A registered slot that reports ``reason`` (an implementation that has not landed yet)."""
-
-        def run(call):
-            raise ValueError(f"backend={name!r} cannot serve this call: {reason}")
-
-        return cls(name, lambda: (False, reason), lambda call: (False, reason), run, description)
 
     def is_available(self) -> Verdict:
         if self._available_cache is None:

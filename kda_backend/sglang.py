@@ -48,6 +48,7 @@ step, SGLang's kernel serves only what our op does not cover:
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 import logging
 import threading
 from typing import Optional
@@ -167,7 +168,8 @@ def dispatcher_init_around(original, self, decode_backend, prefill_backend, veri
 
 _tls = threading.local()  # .fallback: inside SGLang's original (its own available() must answer for itself)
 _k3_logged = set()
-_k3_cover_cache = {}
+_k3_cover_cache: "OrderedDict[tuple, tuple]" = OrderedDict()  # bounded LRU (call signatures)
+_K3_COVER_CACHE_SIZE = 256
 _k3_state = {"fallback_broken": False}
 _cuda_conv_weight_cache = {}
 
@@ -198,7 +200,9 @@ def _ours_covers(key, build) -> bool:
     """Memoized: does ``kda_backend`` (``backend="auto"``) accept this call? ``build()`` returns the
     ``prepare`` keyword arguments (placeholders where the caller lacks the static weights)."""
     hit = _k3_cover_cache.get(key)
-    if hit is None:
+    if hit is not None:
+        _k3_cover_cache.move_to_end(key)
+    else:
         from .api import REGISTRY
         from .contract import prepare
 
@@ -209,6 +213,8 @@ def _ours_covers(key, build) -> bool:
         except (ValueError, TypeError) as exc:
             hit = (False, str(exc))
         _k3_cover_cache[key] = hit
+        if len(_k3_cover_cache) > _K3_COVER_CACHE_SIZE:
+            _k3_cover_cache.popitem(last=False)
     return hit[0], hit[1]
 
 

@@ -23,6 +23,7 @@ gfx942 and e4m3fn on gfx950, per-tensor [1] or per-token [num_blocks, Hkv, block
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Tuple
 
@@ -45,7 +46,9 @@ def find():
     return flydsl_source.find_aiter(ENTRY_POINTS)
 
 
+@functools.lru_cache(maxsize=64)
 def _has_param(fn, name: str) -> bool:
+    """Whether AITER's entry point takes ``name`` (memoized: ``inspect.signature`` is slow per call)."""
     try:
         return name in inspect.signature(fn).parameters
     except (TypeError, ValueError):
