@@ -201,9 +201,8 @@ def may_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     non-intersecting intervals, they cannot meet. Anything it cannot prove disjoint counts as
     overlapping.
     """
-    if a.numel() == 0 or b.numel() == 0 or a.device.type == "meta" or b.device.type == "meta":
-        return False  # no memory (meta tensors are rejected by require_data)
-    return not _disjoint(_addresses(a), _addresses(b))
+    both = addresses([("a", a), ("b", b)])
+    return len(both) == 2 and not _disjoint(both[0][1], both[1][1])  # empty / meta tensors hold no memory
 
 
 def addresses(named: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> list:
@@ -214,15 +213,17 @@ def addresses(named: Sequence[Tuple[str, Optional[torch.Tensor]]]) -> list:
             if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta"]
 
 
-def require_disjoint_from(name: str, t: Optional[torch.Tensor], others: Sequence[Tuple[str, tuple]]) -> None:
-    """``t`` (written by the call) shares no memory with any of ``others`` (from ``addresses``)."""
-    if not isinstance(t, torch.Tensor) or not t.numel() or t.device.type == "meta":
-        return
-    a = _addresses(t)
+def _check_disjoint(name: str, a, others) -> None:
     for on, oa in others:
         if not _disjoint(a, oa):
             raise ValueError(f"{name}: shares memory with {on}; {name} is written by the call, so it must not "
                              f"overlap any other argument (pass separate buffers)")
+
+
+def require_disjoint_from(name: str, t: Optional[torch.Tensor], others: Sequence[Tuple[str, tuple]]) -> None:
+    """``t`` (written by the call) shares no memory with any of ``others`` (from ``addresses``)."""
+    for _, a in addresses([(name, t)]):
+        _check_disjoint(name, a, others)
 
 
 def require_disjoint(written: Sequence[Tuple[str, Optional[torch.Tensor]]],
@@ -230,17 +231,10 @@ def require_disjoint(written: Sequence[Tuple[str, Optional[torch.Tensor]]],
     """Every tensor in ``written`` (outputs and in-place arguments) must share no memory with any
     other argument, written or read: a kernel writing one would corrupt the other (or read what it
     just wrote). ``None`` and empty tensors are skipped. Raises ValueError naming both arguments."""
-    def live(pairs):
-        return [(n, t, _addresses(t)) for n, t in pairs
-                if isinstance(t, torch.Tensor) and t.numel() and t.device.type != "meta"]
-
-    w = live(written)
-    items = w + live(others)
-    for i, (wn, _, wa) in enumerate(w):
-        for on, _, oa in items[i + 1:]:
-            if not _disjoint(wa, oa):
-                raise ValueError(f"{wn}: shares memory with {on}; {wn} is written by the call, so it must not "
-                                 f"overlap any other argument (pass separate buffers)")
+    w = addresses(written)
+    items = w + addresses(others)
+    for i, (wn, wa) in enumerate(w):
+        _check_disjoint(wn, wa, items[i + 1:])
 
 
 def shape_str(shape: Tuple[int, ...]) -> str:

@@ -223,45 +223,36 @@ def check_batch(*, block_tables, context_lengths, query_length=1, query_start_lo
     return PABatch(block_tables, context_lengths, query_start_loc, query_start_loc_host, query_length, N)
 
 
-_CACHE_MEMO: "OrderedDict[tuple, KVCache]" = OrderedDict()
-_CACHE_MEMO_SIZE = 512  # a few hundred layers' caches; the check is a pure function of the key
-# the same tensor objects as a checked call (held here, so their ids cannot be reused), still at the
-# same address, shape and strides: the layer's own persistent caches
-_CACHE_BY_ID: dict = {}
+# cache-layout facts by (address, shape, strides, dtype, device) of the four tensors — all that
+# _check_cache reads, so a hit is the same verdict. Only derived numbers are kept, never the tensors:
+# a server that frees its caches must get the memory back.
+_CACHE_MEMO: "OrderedDict[tuple, tuple]" = OrderedDict()
+_CACHE_MEMO_SIZE = 512  # a few hundred layers' caches
 
 
 def _tensor_key(t):
     if not isinstance(t, torch.Tensor):
         return (type(t).__name__, id(t))
-    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype, t.device)
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
 
 
 def checked_cache(key_cache, value_cache, key_scale, value_scale, device, anchor: str) -> KVCache:
-    """``_check_cache`` memoized on the tensors' addresses, shapes, strides, dtypes and devices (all
-    the check reads), so the layers of a model are checked once per process, not per call."""
-    ids = (id(key_cache), id(value_cache), id(key_scale), id(value_scale))
-    same = _CACHE_BY_ID.get(ids)
-    if same is not None and same[0] is key_cache and same[1] is value_cache and same[2] is key_scale \
-            and same[3] is value_scale and same[5] == _tensor_key(key_cache) and key_cache.device == device:
-        return same[4]  # the very tensors checked before (a layer's persistent caches), unchanged
+    """``_check_cache`` memoized on what it reads, so the layers of a model are checked once per
+    process, not per call."""
     key = tuple(_tensor_key(t) for t in (key_cache, value_cache, key_scale, value_scale))
     hit = _CACHE_MEMO.get(key)
     if hit is not None and key_cache.device == device:  # the four were checked to share one device
         _CACHE_MEMO.move_to_end(key)
-        # the caller's own tensors (the same memory, shapes and strides as the checked ones)
-        ks = key_scale if hit.k_per_token else key_scale.reshape(())
-        vs = value_scale if hit.v_per_token else value_scale.reshape(())
-        cache = KVCache(key_cache, value_cache, ks, vs, hit.num_blocks, hit.Hkv, hit.D, hit.block_size)
-    else:
-        cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor)
-        if device.type == "meta":
-            return cache
-        _CACHE_MEMO[key] = cache
+        NB, Hkv, D, bs, addrs = hit
+        # the caller's own tensors; a per-tensor scale ([1] or 0-dim) read as 0-dim
+        ks = key_scale if key_scale.dim() != 1 else key_scale.reshape(())
+        vs = value_scale if value_scale.dim() != 1 else value_scale.reshape(())
+        return KVCache(key_cache, value_cache, ks, vs, NB, Hkv, D, bs, addrs)
+    cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor)
+    if device.type != "meta":
+        _CACHE_MEMO[key] = (cache.num_blocks, cache.Hkv, cache.D, cache.block_size, cache.addresses())
         if len(_CACHE_MEMO) > _CACHE_MEMO_SIZE:
             _CACHE_MEMO.popitem(last=False)
-    _CACHE_BY_ID[ids] = (key_cache, value_cache, key_scale, value_scale, cache, key[0])
-    if len(_CACHE_BY_ID) > _CACHE_MEMO_SIZE:
-        _CACHE_BY_ID.pop(next(iter(_CACHE_BY_ID)))
     return cache
 
 

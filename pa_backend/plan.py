@@ -27,6 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .api import REGISTRY
 from .contract import PABatch, check_batch, check_layer
 
 __all__ = ["PAPlan", "plan_decode", "plan_prefill"]
@@ -63,8 +64,6 @@ class PAPlan:
         """One layer's attention over the planned batch. Arguments as in :func:`pa_decode` /
         :func:`pa_prefill` (``query`` [T, Hq, D]; ``out`` filled in place and returned).
         ``backend`` overrides the plan's choice (an adapter's per-layer setting)."""
-        from .api import REGISTRY
-
         p = check_layer(self.batch, query=query, key_cache=key_cache, value_cache=value_cache, key_scale=key_scale,
                         value_scale=value_scale, softmax_scale=softmax_scale, sliding_window=sliding_window,
                         sinks=sinks, num_partitions=num_partitions, out=out, anchor="block_tables")

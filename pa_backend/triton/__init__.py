@@ -184,6 +184,7 @@ class _Launch:
         self.split = plan_partitions(self.items, c.Hkv, bound, platform.sm_count(p.device), p.num_partitions or 0,
                                      programs_per_sm())
         self.ws = workspace(p.device, self.items, c.Hkv, self.split.P, self.BM, self.D) if self.items else None
+        self.v_maxnum = _v_maxnum(p.device)
 
 
 def launch_state(p: PAProblem) -> _Launch:
@@ -223,7 +224,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         p.block_tables.stride(0), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=L.bt, ALIGN=L.align,
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
-        V_MAXNUM=_v_maxnum(p.device), num_warps=L.warps, num_stages=L.stages,
+        V_MAXNUM=L.v_maxnum, num_warps=L.warps, num_stages=L.stages,
     )
     pa_decode_reduce_kernel[(L.items, c.Hkv)](
         ws_m, ws_l, ws_acc, p.sinks if p.sinks is not None else ws_m, p.out, p.context_lengths, chunks,
