@@ -96,6 +96,22 @@ def test_prefill_ragged(params):
     check(dict(params, D=64), seed=7)
 
 
+@pytest.mark.parametrize("params,call", [
+    # decode: a long context (whole unmasked tiles, then the masked last tile) with a window whose
+    # edge cuts a tile; explicit partitions put the edge and the end in different programs
+    (dict(context_lengths=[517, 200, 64], query_length=2, Hq=4, Hkv=1, sliding_window=130), {}),
+    (dict(context_lengths=[517, 200, 64], query_length=2, Hq=4, Hkv=1, sliding_window=130), dict(num_partitions=3)),
+    # prefill: chunk rows wider than the window (every tile masked), and one narrower (masked edge
+    # tiles before the unmasked run, the causal diagonal after it)
+    (dict(context_lengths=[400, 260], query_lengths=[150, 40], Hq=4, Hkv=2, sliding_window=37), {}),
+    (dict(context_lengths=[400, 260], query_lengths=[150, 40], Hq=4, Hkv=2, sliding_window=200, scales="token"), {}),
+], ids=["decode-window", "decode-window-3-partitions", "prefill-narrow-window", "prefill-wide-window-token"])
+def test_masked_and_unmasked_tile_regions(params, call):
+    """The kernels skip masking on tiles every query row sees whole; the tiles around a sliding
+    window's edge, the causal diagonal and the context's end stay masked (NaN past the context)."""
+    check(dict(params, D=64), seed=11, **call)
+
+
 def test_prefill_rows_outside_sequences_are_zero():
     case = make_pa_case([10, 12], query_lengths=[3, 4], device=DEVICE, seed=8)
     kw = dict(case.kwargs)

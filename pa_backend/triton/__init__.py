@@ -159,7 +159,9 @@ class _Launch:
             self.zero_rows = None
         else:
             self.QL = prefill_tiling(self.D, self.G, c.block_size)[0]
-            rows = prefill_chunks(p.query_start_loc_host, self.QL)
+            # the chunks that see the most context first (a sequence's last chunks): the long programs
+            # start in the first wave instead of forming the tail
+            rows = sorted(prefill_chunks(p.query_start_loc_host, self.QL), key=lambda r: r[3])
             self.items = len(rows)
             self.chunks = _to_device(rows, p.device)
             self.zero_rows = (p.query_start_loc_host[0], p.query_start_loc_host[-1])  # rows outside every sequence

@@ -25,6 +25,10 @@
 # the query is never rounded to FP8. P @ V runs in FP16 (FP8 values are exact in FP16; P in
 # [0, 1] keeps 11 bits): the per-tensor V scale multiplies acc once at the end, a per-token one
 # multiplies P's columns first.
+# Two loops per partition: tiles every query row sees whole (below the first row's position and
+# past the last row's window start) run unmasked (no load masks, no score masks, no NaN clearing:
+# all their tokens are written context); the few others (a window's edge, the causal diagonal, the
+# context's end) run masked, 2 stages. In prefill the masked tiles are about rows/BT + 1 per chunk.
 # Pipelining (H200, Triton 3.6): the block-id load is one indirection above the K/V loads, so
 # num_stages <= 4 gives the K/V copies one shared buffer (no overlap inside a program); 5 gives two.
 # Table entries are read only for tokens inside the partition, so stale ids past a sequence's
@@ -84,6 +88,109 @@ def _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, 
 
 
 @triton.jit
+def _attend_tile(
+    b_m, b_l, b_acc, b_q, row_scale, last, first, m_valid, tile_start, end,
+    p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h,
+    stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
+    stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
+    stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
+    D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
+    V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_MAXNUM: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One tile of BT tokens from ``tile_start``: gather K/V from the paged cache, S = Q K^T, the
+    online-softmax update and acc += P V. MASKED=0 is the steady state: every token of the tile is
+    inside the context and visible to every query row (no loads masked, no score masked, no NaN
+    clearing); MASKED=1 tiles (the causal diagonal, a sliding window's edge, the partition's last
+    tile) mask tokens past ``end`` and apply the per-row visibility [first, last]."""
+    o_d = tl.arange(0, D)
+    o_t = tl.arange(0, BT)
+    TB: tl.constexpr = BT if BT < BS else BS
+    NT: tl.constexpr = BT // TB
+    o_nt = tl.arange(0, NT)
+    o_tb = tl.arange(0, TB)
+    o_tb16 = tl.arange(0, TB // 16)
+    o_c = tl.arange(0, D // 16)
+    o_16 = tl.arange(0, 16)
+    # NT pieces of TB tokens, each contiguous inside one block; offsets are built with the contiguous
+    # axis last (an arange) so loads vectorize to 16 bytes, then merged to [BT, D]
+    blk_idx = tile_start // BS + o_nt  # [NT] table columns
+    if BT >= BS:  # whole blocks: the first token of every piece is the block's first
+        t0 = 0
+    else:  # a block split into BS / BT tiles (tile_start is a multiple of BT)
+        t0 = tl.multiple_of(tile_start % BS, TB)
+    t_p = t0 + o_tb  # [TB] token offsets inside the block
+    if MASKED:
+        # table entries are read only for pieces inside the context (stale ids past a sequence's
+        # extent are never dereferenced); loads are masked per piece, so the mask is constant along
+        # the contiguous axis and the loads still vectorize
+        live_pc = (tile_start + o_nt * TB) < end  # [NT]
+        b = tl.load(p_bt + seq * stride_bt_s + blk_idx, mask=live_pc, other=0).to(tl.int64)
+    else:
+        b = tl.load(p_bt + seq * stride_bt_s + blk_idx).to(tl.int64)
+    # K [NT, TB, D/16, 16] from key_cache[b, h, c, t, 16]
+    p_k = p_kc + i_h * stride_kc_h + b[:, None, None, None] * stride_kc_b \
+        + t_p[None, :, None, None] * stride_kc_t + o_c[None, None, :, None] * stride_kc_c + o_16[None, None, None, :]
+    if V5D:  # value_cache[b, h, t // 16, d, t % 16] as [D, NT, TB/16, 16]
+        p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None, None] * stride_vc_3 \
+            + b[None, :, None, None] * stride_vc_b + (t0 // 16 + o_tb16)[None, None, :, None] * stride_vc_2 \
+            + o_16[None, None, None, :]
+    else:  # value_cache[b, h, d, t] as [D, NT, TB]
+        p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None] * stride_vc_2 + b[None, :, None] * stride_vc_b \
+            + t_p[None, None, :] * stride_vc_3
+    if MASKED:
+        b_k = tl.load(p_k, mask=live_pc[:, None, None, None], other=0.0)
+        if V5D:
+            b_v = tl.load(p_v, mask=live_pc[None, :, None, None], other=0.0)
+        else:
+            b_v = tl.load(p_v, mask=live_pc[None, :, None], other=0.0)
+    else:
+        b_k = tl.load(p_k)
+        b_v = tl.load(p_v)
+    b_k = tl.reshape(b_k, (BT, D)).to(tl.float16)
+    b_vt = tl.reshape(b_v, (D, BT))  # V^T
+    b_s = tl.dot(b_q, tl.trans(b_k)) * row_scale[:, None]
+    if MASKED:
+        live_p = (tile_start + o_nt[:, None] * TB + o_tb[None, :]) < end  # [NT, TB] tokens in the context
+    if K_PER_TOKEN:
+        if MASKED:
+            ks_t = tl.load(p_ks + b[:, None] * stride_ks_b + i_h * stride_ks_h + t_p[None, :], mask=live_p, other=0.0)
+        else:
+            ks_t = tl.load(p_ks + b[:, None] * stride_ks_b + i_h * stride_ks_h + t_p[None, :])
+        b_s = b_s * tl.reshape(ks_t, (BT,))[None, :]
+    if MASKED:
+        tok = tile_start + o_t
+        live_t = tok < end
+        allowed = (tok[None, :] <= last[:, None]) & (tok[None, :] >= first[:, None]) & live_t[None, :] \
+            & m_valid[:, None]
+        b_s = tl.where(allowed, b_s, float("-inf"))
+        m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    else:
+        m_new = tl.maximum(b_m, tl.max(b_s, 1))
+        m_base = m_new
+    b_p = tl.exp2(b_s - m_base[:, None])
+    alpha = tl.exp2(b_m - m_base)
+    b_l = b_l * alpha + tl.sum(b_p, 1)
+    if MASKED:
+        # V's NaN bytes in unused slots of a live page: P is exactly 0 there, but 0 * NaN is NaN
+        if V_MAXNUM:  # IEEE maxNum returns the non-NaN operand; every FP8 value is >= -448
+            b_vt = tl.maximum(b_vt.to(tl.float16), tl.full([1, 1], -448.0, tl.float16))
+        else:
+            b_vt = tl.where(live_t[None, :], b_vt.to(tl.float32), 0.0).to(tl.float16)
+    else:
+        b_vt = b_vt.to(tl.float16)
+    if V_PER_TOKEN:
+        if MASKED:
+            vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :], mask=live_p, other=0.0)
+        else:
+            vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :])
+        b_p = b_p * tl.reshape(vs_t, (BT,))[None, :]
+    b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(tl.float16), tl.trans(b_vt))
+    return m_new, b_l, b_acc
+
+
+@triton.jit
 def pa_decode_partition_kernel(
     p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
     softmax_scale, sliding_window, max_tokens, few_target, min_pt, long_pt,
@@ -103,14 +210,6 @@ def pa_decode_partition_kernel(
     P = tl.num_programs(2)
     o_m = tl.arange(0, BM)
     o_d = tl.arange(0, D)
-    o_t = tl.arange(0, BT)
-    TB: tl.constexpr = BT if BT < BS else BS
-    NT: tl.constexpr = BT // TB
-    o_nt = tl.arange(0, NT)
-    o_tb = tl.arange(0, TB)
-    o_tb16 = tl.arange(0, TB // 16)
-    o_c = tl.arange(0, D // 16)
-    o_16 = tl.arange(0, 16)
     row = o_m // G  # query row within the sequence (decode) or chunk (prefill)
     grp = o_m % G
     seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
@@ -121,14 +220,24 @@ def pa_decode_partition_kernel(
     q_e = tl.max(tl.abs(b_qf), 1).to(tl.int32, bitcast=True) & 0x7F800000
     q_pow = tl.where(q_e > 0, q_e.to(tl.float32, bitcast=True), 1.0)
     b_q = (b_qf * (1.0 / q_pow)[:, None]).to(tl.float16)
-    last = ctx - nrows + row  # row sees tokens 0..last
+    last = ctx - nrows + row  # row sees tokens first..last
     first = tl.where(sliding_window > 0, last - sliding_window + 1, 0)
 
     lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
     live_p_ = i_p < n_live
     start = lo + i_p * pt
     end = tl.minimum(tl.minimum(start + pt, ctx), max_tokens)  # never past the table row
-    n_tiles = tl.cdiv(end - start, BT)  # <= 0 for partitions past the span (start >= ctx)
+    end = tl.maximum(end, start)  # partitions past the span (start >= ctx) have no tiles
+    # Tiles [u0, u1) are seen whole by every query row (keys up to the first row's position, from
+    # the last row's window start): no masking there. The rest of [start, end) — a sliding
+    # window's edge before u0, the causal diagonal and the context's end after u1 — is masked.
+    full_lo = tl.where(sliding_window > 0, ctx - sliding_window, 0)  # the last row's first visible token
+    full_hi = tl.minimum(ctx - nrows + 1, end)  # the first row sees tokens < ctx - nrows + 1
+    u0 = tl.minimum(start + tl.cdiv(tl.maximum(full_lo - start, 0), BT) * BT, end)
+    u1 = tl.minimum(tl.maximum(start + (tl.maximum(full_hi - start, 0) // BT) * BT, u0), end)
+    n_pre = tl.cdiv(u0 - start, BT)
+    n_full = (u1 - u0) // BT
+    n_masked = n_pre + tl.cdiv(end - u1, BT)
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, D], dtype=tl.float32)
@@ -136,63 +245,22 @@ def pa_decode_partition_kernel(
     if not K_PER_TOKEN:
         qk_scale = qk_scale * tl.load(p_ks)
     row_scale = qk_scale * q_pow
-    # Token tiles of BT tokens: a tile spans BT / BS blocks (BT >= BS) or a part of one (BT < BS);
-    # each token's block id is gathered from the table, masked past the partition's end, so table
-    # entries past the context are never dereferenced. Dynamic trip count: the partition's tiles.
-    for jt in tl.range(0, n_tiles):
-        tile_start = start + jt * BT
-        tok = tile_start + o_t
-        live_t = tok < end
-        # NT pieces of TB tokens, each contiguous inside one block; offsets are built with the
-        # contiguous axis last (an arange) so loads vectorize to 16 bytes, then merged to [BT, D]
-        blk_idx = tile_start // BS + o_nt  # [NT] table columns
-        b = tl.load(p_bt + seq * stride_bt_s + blk_idx, mask=blk_idx * BS < end, other=0).to(tl.int64)
-        if BT >= BS:  # whole blocks: the first token of every piece is the block's first
-            t0 = 0
-        else:  # a block split into BS / BT tiles (tile_start is a multiple of BT)
-            t0 = tl.multiple_of(tile_start % BS, TB)
-        live_p = (tile_start + o_nt[:, None] * TB + o_tb[None, :]) < end  # [NT, TB] tokens in the context
-        # loads are masked per piece (whole pieces of live blocks are in bounds), so the mask is
-        # constant along the contiguous axis and the loads vectorize; the bytes of tokens past the
-        # context are selected away below
-        live_pc = (tile_start + o_nt * TB) < end  # [NT]
-        t_p = t0 + o_tb  # [TB] token offsets inside the block
-        # K [NT, TB, D/16, 16] from key_cache[b, h, c, t, 16]
-        p_k = p_kc + i_h * stride_kc_h + b[:, None, None, None] * stride_kc_b \
-            + t_p[None, :, None, None] * stride_kc_t + o_c[None, None, :, None] * stride_kc_c + o_16[None, None, None, :]
-        b_k = tl.load(p_k, mask=live_pc[:, None, None, None], other=0.0)
-        b_k = tl.reshape(b_k, (BT, D)).to(tl.float16)
-        if V5D:  # value_cache[b, h, t // 16, d, t % 16] as [D, NT, TB/16, 16]
-            p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None, None] * stride_vc_3 \
-                + b[None, :, None, None] * stride_vc_b + (t0 // 16 + o_tb16)[None, None, :, None] * stride_vc_2 \
-                + o_16[None, None, None, :]
-            b_v = tl.load(p_v, mask=live_pc[None, :, None, None], other=0.0)
-        else:  # value_cache[b, h, d, t] as [D, NT, TB]
-            p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None] * stride_vc_2 + b[None, :, None] * stride_vc_b \
-                + t_p[None, None, :] * stride_vc_3
-            b_v = tl.load(p_v, mask=live_pc[None, :, None], other=0.0)
-        b_vt = tl.reshape(b_v, (D, BT))  # V^T
-        b_s = tl.dot(b_q, tl.trans(b_k)) * row_scale[:, None]
-        if K_PER_TOKEN:
-            ks_t = tl.load(p_ks + b[:, None] * stride_ks_b + i_h * stride_ks_h + t_p[None, :], mask=live_p, other=0.0)
-            b_s = b_s * tl.reshape(ks_t, (BT,))[None, :]
-        allowed = (tok[None, :] <= last[:, None]) & (tok[None, :] >= first[:, None]) & live_t[None, :] \
-            & m_valid[:, None]
-        b_s = tl.where(allowed, b_s, float("-inf"))
-        m_new = tl.maximum(b_m, tl.max(b_s, 1))
-        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
-        b_p = tl.exp2(b_s - m_base[:, None])
-        alpha = tl.exp2(b_m - m_base)
-        b_l = b_l * alpha + tl.sum(b_p, 1)
-        if V_MAXNUM:  # IEEE maxNum returns the non-NaN operand; every FP8 value is >= -448
-            b_vt = tl.maximum(b_vt.to(tl.float16), tl.full([1, 1], -448.0, tl.float16))
-        else:
-            b_vt = tl.where(live_t[None, :], b_vt.to(tl.float32), 0.0).to(tl.float16)  # NaN bytes past the context
-        if V_PER_TOKEN:
-            vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :], mask=live_p, other=0.0)
-            b_p = b_p * tl.reshape(vs_t, (BT,))[None, :]
-        b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(tl.float16), tl.trans(b_vt))
-        b_m = m_new
+    # dynamic trip counts: the partition's own tiles, whatever the table width
+    for jt in tl.range(0, n_full):
+        b_m, b_l, b_acc = _attend_tile(
+            b_m, b_l, b_acc, b_q, row_scale, last, first, m_valid, u0 + jt * BT, end,
+            p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h,
+            stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
+            stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
+            D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, False)
+    for jt in tl.range(0, n_masked, num_stages=2):  # a few tiles per partition: not pipelined
+        tile_start = tl.where(jt < n_pre, start + jt * BT, u1 + (jt - n_pre) * BT)
+        b_m, b_l, b_acc = _attend_tile(
+            b_m, b_l, b_acc, b_q, row_scale, last, first, m_valid, tile_start, end,
+            p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h,
+            stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
+            stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
+            D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, True)
     if not V_PER_TOKEN:
         b_acc = b_acc * tl.load(p_vs)
     b_m = b_m * 0.6931471805599453  # back to natural-log units for the reduce (and the sinks)
