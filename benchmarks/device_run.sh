@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify bench-kda bench-pa sweep-pa
+# One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify bench-kda bench-pa sweep-pa e2e-vllm
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
 # Optional wheels (fla-core for the composed KDA baseline) travel in .whl/ and go to /tmp/site.
-# Each step's output goes to $OUT/<step>.txt; bench CSVs to $OUT/<op>_bench.csv.
+# Each step's output goes to $OUT/<step>.txt; bench CSVs to $OUT/<op>_bench.csv; e2e-vllm's CSV and accuracy
+# summary to $OUT/e2e/. The vLLM steps need .whl/vllm/ (bash benchmarks/make_device_bundle.sh vllm).
 set -u
 steps=${*:-tests-kda tests-pa verify bench-kda bench-pa}
 out=${OUT:-/tmp/out}
@@ -57,6 +58,10 @@ for step in $steps; do
                        a=\$?; python3 -m pytest -v integration_tests/sglang -m gpu -p no:cacheprovider -rfs; exit \$((a | \$?))") ;;
     tests-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" VLLM_TARGET_DEVICE=cpu python3 -m pytest -q
                      integration_tests/vllm -p no:cacheprovider -rfs ${VLLM_PYTEST_ARGS:-}) ;;
+    # a real vLLM engine on the GPU (integration_tests/e2e/vllm_gpu.py stands in for the CUDA extensions):
+    # FLYDSL vs TRITON_ATTN, accuracy and throughput; ENGINE_BENCH_BUDGET (s) stops starting new engines
+    e2e-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 -m integration_tests.e2e.engine_bench
+                   --out "$out/e2e") ;;
     tests-kda) cmd=(python3 -m pytest -q -m gpu kda_backend -p no:cacheprovider -rf) ;;
     # the PA interpreter tests pick the GPU when there is one: run them all (write_kv, safety cases)
     tests-pa) cmd=(python3 -m pytest -q pa_backend -p no:cacheprovider -rf) ;;

@@ -3,8 +3,8 @@
 Run on the GPU machine from the repo root: python3 benchmarks/sweep_pa_triton.py [max_seconds]
 Decode: planner programs-per-SM x warps x stages x BT over DEFAULT_CONFIGS[SWEEP_CONFIGS]
 (SWEEP_PPS / SWEEP_WARPS / SWEEP_STAGES / SWEEP_BT, comma lists). Prefill (SWEEP_PREFILL=1):
-rows-per-item M x BT x warps x stages over PREFILL_CONFIGS (SWEEP_PM / SWEEP_PBT / SWEEP_PWARPS /
-SWEEP_PSTAGES). CUDA-graph replay of a plan, median; best six settings per configuration. The
+rows-per-item M x BT x warps x stages over PREFILL_CONFIGS[SWEEP_PREFILL_CONFIGS] (SWEEP_PM /
+SWEEP_PBT / SWEEP_PWARPS / SWEEP_PSTAGES). CUDA-graph replay of a plan, median; best six settings per configuration. The
 chosen defaults live in pa_backend/planner.py and pa_backend/triton/__init__.py.
 """
 
@@ -73,7 +73,8 @@ for i in pick:
     del kw
     torch.cuda.empty_cache()
 if os.environ.get("SWEEP_PREFILL", "1") == "1":
-    for B, prefix, new, Hq, Hkv, D, bs, scales in PREFILL_CONFIGS:
+    ppick = [int(i) for i in os.environ.get("SWEEP_PREFILL_CONFIGS", "0,1,2").split(",") if i != ""]
+    for B, prefix, new, Hq, Hkv, D, bs, scales in [PREFILL_CONFIGS[i] for i in ppick]:
         kw = bench_case(B, prefix + new, new, Hq, Hkv, D, bs, scales, "cuda", table_tokens=TABLE_TOKENS)
         qsl = [i * new for i in range(B + 1)]
         qs = torch.tensor(qsl, dtype=torch.int32, device="cuda")

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Build what a device call carries in .whl/ (git-ignored) for benchmarks/device_run.sh:
+#   bash benchmarks/make_device_bundle.sh vllm [VENV]      (VENV: default /work/venv-vllm)
+# vllm:
+# * .whl/vllm/vllm-<version>-py.tar.gz: vLLM's Python tree (the `vllm` package and its dist-info, which
+#   platform detection reads) from a CPU venv where vllm was installed with --no-deps
+#   (integration_tests/setup-cpu-env.sh), without compiled extensions, the vllm-rs binary, C++/CUDA
+#   sources and bytecode;
+# * .whl/vllm/*.whl: the import-time dependencies the GPU image lacks (its package list: "Python
+#   packages already there" in the device README's KINDS.md) at the venv's versions, for CPython 3.12
+#   x86_64 (the image's Python). Which ones: what a CPU engine run imported (integration_tests/e2e)
+#   minus what the image holds, plus typing-extensions (pydantic-core 2.50 needs >= 4.16, newer than
+#   the image's torch-era copy is known to be) and jiter (an openai requirement). manylinux tags up to
+#   2_34 are named one by one: pip does not widen a --platform tag (the image's glibc is newer).
+# Prints the sizes: everything a call carries, the repository included, must stay under 64 MiB.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+what=${1:?usage: make_device_bundle.sh vllm [VENV]}
+case $what in
+  vllm) ;;
+  *) echo "unknown bundle $what (vllm)" >&2; exit 2 ;;
+esac
+venv=${2:-/work/venv-vllm}
+py="$venv/bin/python"
+site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+version=$("$py" -c 'import importlib.metadata as m; print(m.version("vllm"))')
+dest="$root/.whl/vllm"
+rm -rf "$dest"
+mkdir -p "$dest"
+
+tar czf "$dest/vllm-$version-py.tar.gz" -C "$site" \
+  --exclude='*.so' --exclude='__pycache__' --exclude='*.pyc' --exclude='vllm/vllm-rs' \
+  --exclude='*.hpp' --exclude='*.h' --exclude='*.cuh' --exclude='*.cu' --exclude='*.cpp' --exclude='*.cc' \
+  --exclude="vllm-$version.dist-info/RECORD" \
+  vllm "vllm-$version.dist-info"
+
+# imported by vLLM 0.33 (LLM engine, V1 runner) and absent from the GPU image; pinned to the venv's versions
+deps=(annotated-types apache-tvm-ffi cachetools cbor2 compressed-tensors fastapi httpcore2 httpx2 llguidance
+      loguru msgspec openai openai-harmony orjson partial-json-parser pybase64 pydantic pydantic-core pyzmq
+      sniffio starlette truststore typing-inspection xgrammar typing-extensions jiter)
+pins=$("$py" - "${deps[@]}" <<'PY'
+import importlib.metadata as m, sys
+print(" ".join(f"{d}=={m.version(d)}" for d in sys.argv[1:]))
+PY
+)
+# shellcheck disable=SC2086
+"$py" -m pip download -q --no-deps --only-binary=:all: --implementation cp --python-version 3.12 \
+  $(for v in 2014 _2_17 _2_24 _2_27 _2_28 _2_31 _2_34; do echo --platform "manylinux${v}_x86_64"; done) \
+  --platform any -d "$dest" $pins
+
+echo "bundle $dest:"
+ls -l "$dest" | awk 'NR > 1 {printf "  %8.1f KiB  %s\n", $5 / 1024, $9}'
+du -cb "$dest"/* | awk 'END {printf "total %.1f MiB (a device call carries at most 64 MiB, repository included)\n",
+                            $1 / 1048576}'
