@@ -29,15 +29,6 @@ from integration_tests.e2e import vllm_cpu  # noqa: E402
 NEW_TOKENS = 24
 
 
-def _prompts(n: int, seed: int, length=(10, 40), prefix=()):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        L = int(torch.randint(length[0], length[1] + 1, (1,), generator=g))
-        out.append(list(prefix) + torch.randint(3, tm.VOCAB, (L,), generator=g).tolist())
-    return out
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return tm.build(tmp_path_factory.mktemp("tiny_llama"))
@@ -86,51 +77,21 @@ def _generate(llm, prompts, n=NEW_TOKENS):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def _hf_greedy(model_dir, prompts, n=NEW_TOKENS):
-    from transformers import LlamaForCausalLM
-
-    m = LlamaForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.bfloat16, attn_implementation="eager")
-    m.eval()
-    res = []
-    with torch.no_grad():
-        for p in prompts:
-            out = m.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
-            res.append(out[0, len(p):].tolist())
-    return res
-
-
-def _hf_argmax_agreement(model_dir, prompts, generated) -> float:
-    """Teacher-forced on the engine's tokens: the share of positions where HF's argmax is the
-    engine's next token."""
-    from transformers import LlamaForCausalLM
-
-    m = LlamaForCausalLM.from_pretrained(str(model_dir), torch_dtype=torch.bfloat16, attn_implementation="eager")
-    m.eval()
-    ok = total = 0
-    with torch.no_grad():
-        for p, gen in zip(prompts, generated):
-            seq = torch.tensor([p + gen])
-            pred = m(seq).logits[0, len(p) - 1:-1].argmax(-1).tolist()
-            ok += sum(a == b for a, b in zip(pred, gen))
-            total += len(gen)
-    return ok / total
-
-
 def test_greedy_tokens_follow_the_kv_and_match_hf(engine, model_dir):
-    prompts = _prompts(16, seed=1)
+    prompts = tm.prompts(16, seed=1)
     gen = _generate(engine, prompts)
     for p, g in zip(prompts, gen):
         assert tm.copy_rule_agreement(p, g) == 1.0, (p, g)
-    assert gen == _hf_greedy(model_dir, prompts)
-    assert _hf_argmax_agreement(model_dir, prompts, gen) >= 0.999
+    assert gen == tm.hf_greedy(model_dir, prompts, NEW_TOKENS)
+    assert tm.hf_argmax_agreement(model_dir, prompts, gen) >= 0.999
 
 
 def test_prefix_caching_and_chunked_prefill(engine):
     """A shared 48-token prefix (cached blocks reused by later requests) and prompts of 70-120
     tokens (chunked at 64 batched tokens, mixed with other requests' decodes): every token follows
     the copy rule and equals the same request run alone."""
-    shared = _prompts(1, seed=7, length=(48, 48))[0]
-    prompts = _prompts(8, seed=2, length=(22, 72), prefix=shared) + _prompts(8, seed=3, length=(10, 30))
+    shared = tm.prompts(1, seed=7, length=(48, 48))[0]
+    prompts = tm.prompts(8, seed=2, length=(22, 72), prefix=shared) + tm.prompts(8, seed=3, length=(10, 30))
     gen = _generate(engine, prompts)
     for p, g in zip(prompts, gen):
         assert tm.copy_rule_agreement(p, g) == 1.0, (p, g)
@@ -151,7 +112,7 @@ def test_preemption(small_engine, monkeypatch):
         return real(self, request, *a, **k)
 
     monkeypatch.setattr(Scheduler, "_preempt_request", counting)
-    prompts = _prompts(16, seed=4, length=(40, 80))
+    prompts = tm.prompts(16, seed=4, length=(40, 80))
     gen = _generate(small_engine, prompts, n=30)
     assert preempted, "the KV cache was large enough: no preemption happened"
     for p, g in zip(prompts, gen):
@@ -176,7 +137,7 @@ def test_ngram_speculative_decoding(model_dir):
     try:
         llm = _engine(model_dir, max_model_len=512, speculative_config={
             "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2})
-        prompts = _prompts(6, seed=5, length=(16, 40))
+        prompts = tm.prompts(6, seed=5, length=(16, 40))
         gen = _generate(llm, prompts, n=32)
         del llm
         gc.collect()

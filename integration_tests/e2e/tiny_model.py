@@ -14,7 +14,10 @@ still run every layer's attention).
 ``build(path)`` writes config.json + model.safetensors (Llama: hidden 512, 4 layers, 8 query / 2
 KV heads, head_dim 128, vocab 512); prompts are token ids (``skip_tokenizer_init=True``).
 ``copy_rule_agreement(prompt, generated)``: the fraction of generated tokens that equal the token
-COPY_BACK + 1 positions earlier (1.0 when every K/V read was right).
+COPY_BACK + 1 positions earlier (1.0 when every K/V read was right). ``prompts(n, seed)``: seeded
+token-id prompts. References from HF transformers (``LlamaForCausalLM``, eager attention, bf16, on
+CPU): ``hf_greedy`` (greedy tokens) and ``hf_argmax_agreement`` (teacher-forced on an engine's own
+tokens: the share of positions where HF's argmax is the engine's next token).
 """
 
 from __future__ import annotations
@@ -115,3 +118,45 @@ def copy_rule_agreement(prompt, generated) -> float:
     period = COPY_BACK + 1
     ok = sum(seq[i] == seq[i - period] for i in range(n0, len(seq)))
     return ok / max(len(seq) - n0, 1)
+
+
+def prompts(n: int, seed: int, length=(10, 40), prefix=()) -> list:
+    """``n`` seeded prompts of ``length`` (inclusive range) random token ids (3 .. VOCAB-1) after
+    ``prefix``."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        L = int(torch.randint(length[0], length[1] + 1, (1,), generator=g))
+        out.append(list(prefix) + torch.randint(3, VOCAB, (L,), generator=g).tolist())
+    return out
+
+
+def _hf_model(model_dir):
+    from transformers import LlamaForCausalLM
+
+    m = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16, attn_implementation="eager")
+    return m.eval()
+
+
+def hf_greedy(model_dir, prompts, n: int) -> list:
+    m = _hf_model(model_dir)
+    res = []
+    with torch.no_grad():
+        for p in prompts:
+            out = m.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+            res.append(out[0, len(p):].tolist())
+    return res
+
+
+def hf_argmax_agreement(model_dir, prompts, generated) -> float:
+    """Teacher-forced on the engine's tokens: the share of positions where HF's argmax is the
+    engine's next token."""
+    m = _hf_model(model_dir)
+    ok = total = 0
+    with torch.no_grad():
+        for p, gen in zip(prompts, generated):
+            seq = torch.tensor([list(p) + list(gen)])
+            pred = m(seq).logits[0, len(p) - 1:-1].argmax(-1).tolist()
+            ok += sum(a == b for a, b in zip(pred, gen))
+            total += len(gen)
+    return ok / max(total, 1)

@@ -1,0 +1,346 @@
+"""A real vLLM 0.33 engine serving the run-time model (``tiny_model``) with this project's backend
+(``attention_backend="FLYDSL"``) and with vLLM's own ``TRITON_ATTN``, both on an FP8 KV cache:
+accuracy and throughput (issue 16). A benchmark script, not a test:
+
+    python -m integration_tests.e2e.engine_bench --out DIR          (GPU: vllm_gpu.prepare())
+    python -m integration_tests.e2e.engine_bench --out DIR --cpu    (CPU smoke: vllm_cpu.prepare())
+
+Engines (one per backend, mode and max_model_len, built once, used for every batch, then freed):
+* eager, max_model_len 1024: accuracy (16 prompts x 64 greedy tokens, logprobs=5) and eager throughput;
+* CUDA graphs (FULL_DECODE_ONLY, no torch.compile), max_model_len 1024 and 131072: throughput.
+Accuracy: FLYDSL against TRITON_ATTN with vLLM's ``check_logprobs_close`` rule (at the first position
+where two greedy sequences differ, each chosen token must be in the other run's top-5), the number of
+identical sequences, the copy rule of the model (``tiny_model.copy_rule_agreement``) and the argmax
+agreement of HF transformers teacher-forced on each engine's tokens. Throughput: batch 16 and 64, 128
+output tokens (ignore_eos), ``llm.generate`` timed after a warm-up ``generate`` of the same batch; the
+graph-mode tokens of the two backends are compared too.
+
+Writes into --out: ``engine_bench.csv`` (date, commit from $FLYDSL_BACKENDS_COMMIT, device, backend, mode,
+max_model_len, batch, tokens, seconds, tok_s, notes; rewritten after every row), ``accuracy.json`` and
+``summary.md`` (rewritten after every engine: a run killed at the call's time limit still leaves them).
+Each engine and each measurement runs in its own try/except: an error is recorded (CSV notes, summary)
+and the rest still run; ``--budget`` seconds (default 480, $ENGINE_BENCH_BUDGET) stops starting new
+engines. Exit status 0 only when nothing failed and every accuracy pair passed.
+
+``--cpu``: the same code path on vLLM's CPU worker (FLYDSL on the torch reference; TRITON_ATTN does not
+run there): eager only, batch 2, 8 tokens, max_model_len 1024 and 131072; the accuracy pair is FLYDSL at
+1024 against FLYDSL at 131072 (server-width block tables).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import gc
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from integration_tests.e2e import tiny_model as tm
+
+TOP_N = 5
+CSV_FIELDS = ("date", "commit", "device", "backend", "mode", "max_model_len", "batch", "tokens", "seconds",
+              "tok_s", "notes")
+
+
+@dataclass
+class Settings:
+    cpu: bool
+    acc_prompts: int
+    acc_tokens: int
+    batches: tuple
+    out_tokens: int
+    engines: list  # [(backend, mode, max_model_len, accuracy)]
+    kv_bytes: int
+    capture_sizes: tuple = ()
+    # GPU: the KV size is kv_bytes; the utilization only sets the free memory a new engine demands at start
+    # (an engine not fully freed by the previous one must not fail the next)
+    extra: dict = field(default_factory=dict)
+
+
+def settings(cpu: bool) -> Settings:
+    if cpu:
+        return Settings(cpu=True, acc_prompts=4, acc_tokens=16, batches=(2,), out_tokens=8, kv_bytes=512 << 20,
+                        engines=[("FLYDSL", "eager", 1024, True), ("FLYDSL", "eager", 131072, True)])
+    engines = [(b, "eager", 1024, True) for b in ("FLYDSL", "TRITON_ATTN")]
+    engines += [(b, "graphs", n, False) for n in (1024, 131072) for b in ("FLYDSL", "TRITON_ATTN")]
+    return Settings(cpu=False, acc_prompts=16, acc_tokens=64, batches=(16, 64), out_tokens=128, kv_bytes=4 << 30,
+                    engines=engines, capture_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64),
+                    extra={"gpu_memory_utilization": 0.5})
+
+
+def log(msg: str) -> None:
+    print(f"[engine_bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def first_divergence_ok(tok_a, lp_a, tok_b, lp_b, top_n=TOP_N):
+    """vLLM's check_logprobs_close rule for one pair of greedy sequences: walk both; at the first
+    position where the tokens differ, each chosen token must be among the other run's top-``top_n``
+    logprobs there, and nothing after it is compared. Returns (ok, first differing position or None)."""
+    for i, (a, b) in enumerate(zip(tok_a, tok_b)):
+        if a == b:
+            continue
+        top_a = {t for t, lp in lp_a[i].items() if lp.rank is None or lp.rank <= top_n}
+        top_b = {t for t, lp in lp_b[i].items() if lp.rank is None or lp.rank <= top_n}
+        return (a in top_b and b in top_a), i
+    return True, None
+
+
+def _tokens_and_logprobs(outs):
+    return ([list(o.outputs[0].token_ids) for o in outs],
+            [list(o.outputs[0].logprobs or []) for o in outs])
+
+
+def _generate(llm, prompts, n, logprobs=None):
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=logprobs)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+
+
+@dataclass
+class Bench:
+    out: Path
+    s: Settings
+    model_dir: Path
+    device: str
+    commit: str
+    rows: list = field(default_factory=list)
+    accuracy: dict = field(default_factory=dict)  # label -> {tokens, logprobs, ...}
+    generated: dict = field(default_factory=dict)  # (mode, max_model_len, batch) -> {backend: tokens}
+    errors: list = field(default_factory=list)
+
+    def row(self, backend, mode, max_len, batch, tokens, seconds, notes=""):
+        self.rows.append({"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
+                          "commit": self.commit, "device": self.device, "backend": backend, "mode": mode,
+                          "max_model_len": max_len, "batch": batch, "tokens": tokens,
+                          "seconds": f"{seconds:.4f}" if seconds else "",
+                          "tok_s": f"{tokens / seconds:.1f}" if seconds else "", "notes": notes})
+        with open(self.out / "engine_bench.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+            w.writeheader()
+            w.writerows(self.rows)
+
+    def build(self, backend, mode, max_len):
+        from vllm import LLM
+
+        from integration_tests.e2e import vllm_gpu
+
+        kw = vllm_gpu.engine_kwargs(mode == "graphs", capture_sizes=self.s.capture_sizes)
+        return LLM(model=str(self.model_dir), skip_tokenizer_init=True, attention_backend=backend,
+                   kv_cache_dtype="fp8", block_size=16, dtype="bfloat16", seed=0, max_model_len=max_len,
+                   max_num_seqs=max(self.s.batches + (self.s.acc_prompts,)), enable_prefix_caching=False,
+                   kv_cache_memory_bytes=self.s.kv_bytes, **self.s.extra, **kw)
+
+    def run_accuracy(self, llm, label):
+        prompts = tm.prompts(self.s.acc_prompts, seed=11)
+        t0 = time.perf_counter()
+        toks, lps = _tokens_and_logprobs(_generate(llm, prompts, self.s.acc_tokens, logprobs=TOP_N))
+        dt = time.perf_counter() - t0
+        copy = sum(tm.copy_rule_agreement(p, g) for p, g in zip(prompts, toks)) / len(prompts)
+        rec = {"tokens": toks, "logprobs": lps, "copy_rule": copy, "seconds": dt}
+        try:
+            rec["hf_argmax_agreement"] = tm.hf_argmax_agreement(self.model_dir, prompts, toks)
+        except Exception as e:  # the reference is a separate check: keep the engine's result
+            rec["hf_error"] = f"{type(e).__name__}: {e}"
+        self.accuracy[label] = rec
+        log(f"accuracy {label}: copy rule {copy:.4f}, HF argmax agreement "
+            f"{rec.get('hf_argmax_agreement', rec.get('hf_error'))} ({dt:.1f} s)")
+
+    def run_throughput(self, llm, backend, mode, max_len):
+        for batch in self.s.batches:
+            prompts = tm.prompts(batch, seed=100 + batch)
+            tokens = batch * self.s.out_tokens
+            try:
+                _generate(llm, prompts, self.s.out_tokens)  # warm-up: same shapes, JIT and autotuning done
+                sync()
+                t0 = time.perf_counter()
+                outs = _generate(llm, prompts, self.s.out_tokens)
+                sync()
+                dt = time.perf_counter() - t0
+                toks = [list(o.outputs[0].token_ids) for o in outs]
+                n = sum(len(t) for t in toks)
+                copy = sum(tm.copy_rule_agreement(p, g) for p, g in zip(prompts, toks)) / batch
+                self.generated.setdefault((mode, max_len, batch), {})[backend] = toks
+                self.row(backend, mode, max_len, batch, n, dt, f"copy_rule={copy:.4f}")
+                log(f"{backend} {mode} max_model_len={max_len} batch={batch}: {n} tokens in {dt:.3f} s = "
+                    f"{n / dt:.1f} tok/s, copy rule {copy:.4f}")
+            except Exception as e:
+                self.row(backend, mode, max_len, batch, tokens, 0, f"error: {_short(e)}")
+                self.errors.append(f"{backend} {mode} {max_len} batch {batch}: {traceback.format_exc()}")
+                log(f"{backend} {mode} max_model_len={max_len} batch={batch}: FAILED {_short(e)}")
+
+    def run(self, budget: float):
+        start = time.monotonic()
+        for backend, mode, max_len, acc in self.s.engines:
+            label = f"{backend} {mode} {max_len}"
+            if time.monotonic() - start > budget:
+                log(f"{label}: skipped (time budget {budget:.0f} s spent)")
+                for batch in self.s.batches:
+                    self.row(backend, mode, max_len, batch, batch * self.s.out_tokens, 0, "skipped: time budget")
+                continue
+            log(f"{label}: building the engine")
+            llm = None
+            try:
+                t0 = time.perf_counter()
+                llm = self.build(backend, mode, max_len)
+                log(f"{label}: engine ready in {time.perf_counter() - t0:.1f} s")
+                if acc:
+                    try:
+                        self.run_accuracy(llm, label)
+                    except Exception as e:
+                        self.errors.append(f"{label} accuracy: {traceback.format_exc()}")
+                        self.accuracy[label] = {"error": _short(e)}
+                        log(f"{label}: accuracy FAILED {_short(e)}")
+                self.run_throughput(llm, backend, mode, max_len)
+            except Exception as e:
+                self.errors.append(f"{label} engine: {traceback.format_exc()}")
+                log(f"{label}: engine FAILED {_short(e)}")
+                for batch in self.s.batches:
+                    self.row(backend, mode, max_len, batch, batch * self.s.out_tokens, 0,
+                             f"engine error: {_short(e)}")
+            finally:
+                del llm
+                free()
+                self.report(final=False)  # what a killed run leaves behind is still readable
+        self.report()
+
+    def compare(self):
+        """Accuracy pairs (the first eager engine against each other one) and graph-mode token equality."""
+        labels = [k for k in self.accuracy if "tokens" in self.accuracy[k]]
+        pairs = []
+        for other in labels[1:]:
+            a, b = self.accuracy[labels[0]], self.accuracy[other]
+            fails, identical, first = [], 0, []
+            for i, (ta, la, tb, lb) in enumerate(zip(a["tokens"], a["logprobs"], b["tokens"], b["logprobs"])):
+                ok, pos = first_divergence_ok(ta, la, tb, lb)
+                identical += pos is None
+                if pos is not None:
+                    first.append(pos)
+                if not ok:
+                    fails.append(i)
+            pairs.append({"a": labels[0], "b": other, "check_logprobs_close": not fails, "failing_prompts": fails,
+                          "identical_sequences": identical, "sequences": len(a["tokens"]),
+                          "first_divergence_positions": first})
+        graphs = []
+        for (mode, max_len, batch), by in sorted(self.generated.items(), key=lambda kv: str(kv[0])):
+            names = sorted(by)
+            if len(names) < 2:
+                continue
+            x, y = by[names[0]], by[names[1]]
+            graphs.append({"mode": mode, "max_model_len": max_len, "batch": batch, "a": names[0], "b": names[1],
+                           "identical_sequences": sum(p == q for p, q in zip(x, y)), "sequences": len(x)})
+        return pairs, graphs
+
+    def report(self, final=True):
+        pairs, graphs = self.compare()
+        per_engine = {k: {m: v[m] for m in ("copy_rule", "hf_argmax_agreement", "hf_error", "error", "seconds")
+                          if m in v} for k, v in self.accuracy.items()}
+        summary = {"commit": self.commit, "device": self.device, "cpu_smoke": self.s.cpu,
+                   "prompts": self.s.acc_prompts, "tokens": self.s.acc_tokens, "top_n": TOP_N,
+                   "engines": per_engine, "pairs": pairs, "same_tokens_across_backends": graphs,
+                   "errors": self.errors}
+        (self.out / "accuracy.json").write_text(json.dumps(summary, indent=1))
+        md = [f"# vLLM engine end to end ({self.device}, commit {self.commit or '?'})", "",
+              f"Accuracy: {self.s.acc_prompts} prompts x {self.s.acc_tokens} greedy tokens, logprobs={TOP_N}, "
+              "FP8 KV cache, block 16, eager.", "",
+              "| engine | copy rule | HF argmax agreement |", "|---|---|---|"]
+        for k, v in per_engine.items():
+            md.append(f"| {k} | {v.get('copy_rule', v.get('error', '-'))} | "
+                      f"{v.get('hf_argmax_agreement', v.get('hf_error', '-'))} |")
+        md += ["", "| a | b | check_logprobs_close | identical sequences |", "|---|---|---|---|"]
+        for p in pairs:
+            md.append(f"| {p['a']} | {p['b']} | {'pass' if p['check_logprobs_close'] else 'FAIL'} | "
+                      f"{p['identical_sequences']}/{p['sequences']} |")
+        if graphs:
+            md += ["", "Same greedy tokens across backends in the throughput runs:", "",
+                   "| mode | max_model_len | batch | identical sequences |", "|---|---|---|---|"]
+            md += [f"| {g['mode']} | {g['max_model_len']} | {g['batch']} | "
+                   f"{g['identical_sequences']}/{g['sequences']} |" for g in graphs]
+        md += ["", "| backend | mode | max_model_len | batch | tokens | seconds | tok/s | notes |",
+               "|---|---|---|---|---|---|---|---|"]
+        md += [f"| {r['backend']} | {r['mode']} | {r['max_model_len']} | {r['batch']} | {r['tokens']} | "
+               f"{r['seconds']} | {r['tok_s']} | {r['notes']} |" for r in self.rows]
+        if self.errors:
+            md += ["", f"{len(self.errors)} error(s): see accuracy.json"]
+        (self.out / "summary.md").write_text("\n".join(md) + "\n")
+        if not final:
+            return
+        for p in pairs:
+            log(f"check_logprobs_close {p['a']} vs {p['b']}: {'pass' if p['check_logprobs_close'] else 'FAIL'}, "
+                f"{p['identical_sequences']}/{p['sequences']} identical")
+        for g in graphs:
+            log(f"same tokens {g['a']} vs {g['b']} {g['mode']} {g['max_model_len']} batch {g['batch']}: "
+                f"{g['identical_sequences']}/{g['sequences']}")
+        log(f"wrote {self.out}/engine_bench.csv, accuracy.json, summary.md ({len(self.errors)} error(s))")
+
+
+def _short(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".replace("\n", " ")[:300]
+
+
+def sync():
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def free():
+    import torch
+
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+        cleanup_dist_env_and_memory()
+    except Exception as e:
+        log(f"cleanup_dist_env_and_memory: {_short(e)}")
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True, help="directory for engine_bench.csv, accuracy.json, summary.md")
+    ap.add_argument("--cpu", action="store_true", help="CPU smoke run (vLLM's CPU worker, FLYDSL only, tiny sizes)")
+    ap.add_argument("--budget", type=float, default=float(os.environ.get("ENGINE_BENCH_BUDGET", 480)),
+                    help="seconds after which no new engine is started (default 480)")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.cpu:
+        from integration_tests.e2e import vllm_cpu
+
+        vllm_cpu.prepare()
+    else:
+        from integration_tests.e2e import vllm_gpu
+
+        vllm_gpu.prepare()
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    if not args.cpu and not torch.cuda.is_available():
+        log("no CUDA device: use --cpu for the CPU smoke run")
+        return 2
+    s = settings(args.cpu)
+    with tempfile.TemporaryDirectory(prefix="tiny_llama_") as d:
+        model_dir = tm.build(d)
+        log(f"model built in {model_dir}; device {device}; engines {len(s.engines)}")
+        bench = Bench(out=out, s=s, model_dir=model_dir, device=device,
+                      commit=os.environ.get("FLYDSL_BACKENDS_COMMIT", ""))
+        bench.run(args.budget)
+    pairs, _ = bench.compare()
+    ok = not bench.errors and all(p["check_logprobs_close"] for p in pairs) and bool(pairs)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""What a vLLM 0.33 engine needs to run on an NVIDIA GPU without vLLM's compiled CUDA extensions
+(the device image has torch 2.11; vLLM's extensions are built for torch 2.14 and cannot travel), the
+GPU counterpart of ``vllm_cpu`` (shared/notes/e2e.md, steps 1-4):
+
+* ``vllm._C_stable_libtorch`` (imported unconditionally by ``vllm/platforms/cuda.py``): a stand-in
+  module; ``register_ops()`` defines under ``torch.ops._C`` what vLLM touches on the CUDA path for a
+  dense Llama model, eager and with FULL_DECODE_ONLY CUDA graphs:
+  - the capability queries vLLM evaluates while importing/building layers (``cutlass_*_supported``,
+    ``cutlass_scaled_mm_supports_*``, ``mxfp4_experts_quant_supported``): all answer False;
+  - the activation ops ``CustomOp`` subclasses look up in ``__init__`` on CUDA (``silu_and_mul``,
+    ``gelu_and_mul``, ...): defined, raising if called (``custom_ops=["none"]`` runs the native path);
+  - ``weak_ref_tensor`` (CUDA-graph capture keeps weak references to graph outputs): a view of the
+    input (it keeps the storage alive, which a graph's output pool does anyway).
+  ``get_cuda_view_from_cpu_tensor`` (UVA) is used only by Model Runner V2 and CPU weight offloading:
+  not defined; ``VLLM_USE_V2_MODEL_RUNNER=0`` keeps the V1 runner.
+* ``vllm.vllm_flash_attn``: its ``__init__`` raises ImportError when neither FA2 nor FA3 extension
+  loads, and every model imports it on CUDA: the package is registered without running that
+  ``__init__`` (its ``flash_attn_interface`` then reports FA2/FA3 unavailable).
+* Environment (``ENV``, set unless already set): no FlashInfer sampler, the V1 model runner, the
+  engine core in this process, max_model_len past the tiny model's positions, HF offline.
+* ``engine_kwargs(graphs)``: vLLM engine arguments that keep every op on its native/Triton path
+  (``custom_ops=["none"]``, IR ops ``native`` first, no FlashInfer autotune, no CuTeDSL/JIT warmup),
+  eager (``enforce_eager``) or CUDA graphs (``mode=0`` i.e. no torch.compile,
+  ``cudagraph_mode="FULL_DECODE_ONLY"``).
+
+Call ``prepare()`` in the process that builds the engine, before importing ``vllm.LLM``. Nothing
+here needs a GPU to import or register: ``register_ops()`` and ``install_flash_attn_stub()`` run on
+a CPU machine too (that is how they are checked there).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import types
+
+ENV = {
+    "VLLM_USE_FLASHINFER_SAMPLER": "0",  # the sampler would import FlashInfer
+    "VLLM_USE_V2_MODEL_RUNNER": "0",  # V2 calls torch.ops._C.get_cuda_view_from_cpu_tensor
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # engine core in process
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",  # max_model_len 131072 past the model's positions
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+# torch.ops._C capability queries (int capability -> bool) evaluated while importing / building layers
+CAPABILITY_QUERIES = (
+    "cutlass_scaled_mm_supports_fp8",
+    "cutlass_scaled_mm_supports_block_fp8",
+    "cutlass_scaled_mm_supports_fp4",
+    "cutlass_group_gemm_supported",
+    "mxfp4_experts_quant_supported",
+)
+
+# activation ops CustomOp subclasses look up unconditionally in __init__ on CUDA (name -> schema
+# arguments); never called with custom_ops=["none"]
+ACTIVATION_OPS = {
+    "silu_and_mul": "Tensor(a!) result, Tensor input",
+    "mul_and_silu": "Tensor(a!) result, Tensor input",
+    "situ_and_mul": "Tensor(a!) result, Tensor input",
+    "silu_and_mul_with_clamp": "Tensor(a!) result, Tensor input, float limit",
+    "fatrelu_and_mul": "Tensor(a!) result, Tensor input, float threshold",
+    "gelu_and_mul": "Tensor(a!) result, Tensor input",
+    "gelu_tanh_and_mul": "Tensor(a!) result, Tensor input",
+    "gelu_new": "Tensor(a!) result, Tensor input",
+    "gelu_fast": "Tensor(a!) result, Tensor input",
+    "gelu_quick": "Tensor(a!) result, Tensor input",
+    "relu_squared": "Tensor(a!) result, Tensor input",
+}
+
+_LIB = None
+
+
+def _not_built(name):
+    def kernel(*args, **kwargs):
+        raise NotImplementedError(
+            f"torch.ops._C.{name}: vLLM's CUDA extension is not loaded (integration_tests/e2e/vllm_gpu.py "
+            "stand-in); run with compilation_config custom_ops=['none'] so the native path is used")
+
+    return kernel
+
+
+def register_ops() -> None:
+    """Define the stand-in ``torch.ops._C`` ops (once per process; a name that already exists, e.g.
+    from the real extension, is left alone) and install the ``vllm._C_stable_libtorch`` module."""
+    global _LIB
+    import torch
+
+    if _LIB is None:
+        lib = torch.library.Library("_C", "FRAGMENT")
+        for name in CAPABILITY_QUERIES:
+            if not hasattr(torch.ops._C, name):
+                lib.define(f"{name}(int cuda_device_capability) -> bool")
+                lib.impl(name, lambda capability: False, "CompositeExplicitAutograd")
+        for name, args in ACTIVATION_OPS.items():
+            if not hasattr(torch.ops._C, name):
+                lib.define(f"{name}({args}) -> ()")
+                lib.impl(name, _not_built(name), "CompositeExplicitAutograd")
+        if not hasattr(torch.ops._C, "weak_ref_tensor"):
+            lib.define("weak_ref_tensor(Tensor(a) tensor) -> Tensor(a)")
+            lib.impl("weak_ref_tensor", lambda t: t.view(t.shape), "CompositeExplicitAutograd")
+        _LIB = lib
+    name = "vllm._C_stable_libtorch"
+    if name not in sys.modules:
+        mod = types.ModuleType(name, "stand-in for vLLM's CUDA extension (integration_tests/e2e/vllm_gpu.py)")
+        sys.modules[name] = mod
+        parent = sys.modules.get("vllm")
+        if parent is not None:
+            setattr(parent, "_C_stable_libtorch", mod)
+
+
+def install_flash_attn_stub() -> None:
+    """Register the ``vllm.vllm_flash_attn`` package without running its ``__init__`` (which raises
+    ImportError when no FA extension loads) and give it the names that ``__init__`` exports, from
+    ``flash_attn_interface``."""
+    name = "vllm.vllm_flash_attn"
+    if name in sys.modules:
+        return
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        raise ImportError(f"{name} is not in this vLLM tree")
+    pkg = types.ModuleType(name)
+    pkg.__spec__ = spec
+    pkg.__path__ = list(spec.submodule_search_locations or [])
+    pkg.__file__ = spec.origin
+    pkg.__package__ = name
+    sys.modules[name] = pkg
+    try:
+        iface = importlib.import_module(name + ".flash_attn_interface")
+    except Exception:
+        del sys.modules[name]
+        raise
+    exported = ("FA2_AVAILABLE", "FA3_AVAILABLE", "compile_flash_attn_varlen_func_from_specs",
+                "fa_version_unsupported_reason", "flash_attn_varlen_func", "get_scheduler_metadata",
+                "is_fa_version_supported")
+    for attr in exported:
+        if hasattr(iface, attr):
+            setattr(pkg, attr, getattr(iface, attr))
+    pkg.flash_attn_interface = iface
+    pkg.__all__ = [a for a in exported if not a.isupper() and hasattr(iface, a)]
+    setattr(sys.modules["vllm"], "vllm_flash_attn", pkg)
+
+
+def prepare() -> None:
+    """Environment, stand-in ops and the flash-attention package: call before ``from vllm import LLM``."""
+    for k, v in ENV.items():
+        os.environ.setdefault(k, v)
+    register_ops()
+    install_flash_attn_stub()
+
+
+def engine_kwargs(graphs: bool, capture_sizes=None) -> dict:
+    """``vllm.LLM`` arguments for the extension-less CUDA path: eager, or full CUDA graphs for decode
+    batches only (no torch.compile; ``capture_sizes`` limits the captured batch sizes)."""
+    from vllm.config.kernel import IrOpPriorityConfig, KernelConfig
+
+    kernel = KernelConfig(ir_op_priority=IrOpPriorityConfig.with_default(["native"]),
+                          enable_flashinfer_autotune=False, enable_cutedsl_warmup=False, enable_jit_warmup=False)
+    compilation = {"custom_ops": ["none"]}
+    if graphs:
+        compilation.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")
+        if capture_sizes:
+            compilation["cudagraph_capture_sizes"] = sorted(capture_sizes)
+    return {"kernel_config": kernel, "compilation_config": compilation, "enforce_eager": not graphs}
