@@ -62,4 +62,5 @@ def ptxas_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, obje
         return int(m.group(1)) if m else 0
 
     return {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
-            "spill_loads": grab(r"(\d+) bytes spill loads"), "stack": grab(r"(\d+) bytes stack frame")}
+            "spill_loads": grab(r"(\d+) bytes spill loads"), "stack": grab(r"(\d+) bytes stack frame"),
+            "shared": int(getattr(compiled.metadata, "shared", 0) or 0)}

@@ -120,11 +120,11 @@ def _attend_tile(
     else:  # a block split into BS / BT tiles (tile_start is a multiple of BT)
         t0 = tl.multiple_of(tile_start % BS, TB)
     t_p = t0 + o_tb  # [TB] token offsets inside the block
+    # table entries are read only for pieces inside the context (stale ids past a sequence's extent
+    # are never dereferenced); loads are masked per piece, so the mask is constant along the
+    # contiguous axis and the loads still vectorize
+    live_pc = (tile_start + o_nt * TB) < end  # [NT]
     if MASKED:
-        # table entries are read only for pieces inside the context (stale ids past a sequence's
-        # extent are never dereferenced); loads are masked per piece, so the mask is constant along
-        # the contiguous axis and the loads still vectorize
-        live_pc = (tile_start + o_nt * TB) < end  # [NT]
         b = tl.load(p_bt + seq * stride_bt_s + blk_idx, mask=live_pc, other=0).to(tl.int64)
     else:
         b = tl.load(p_bt + seq * stride_bt_s + blk_idx).to(tl.int64)
@@ -138,7 +138,9 @@ def _attend_tile(
     else:  # value_cache[b, h, d, t] as [D, NT, TB]
         p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None] * stride_vc_2 + b[None, :, None] * stride_vc_b \
             + t_p[None, None, :] * stride_vc_3
-    if MASKED:
+    # with per-token scales and D <= 128 the K/V loads stay masked in both loops too (sm_90: 96
+    # registers, 5 programs/SM, instead of 104 and 4; at D = 256 the masked form spills)
+    if MASKED or ((K_PER_TOKEN or V_PER_TOKEN) and D <= 128):
         b_k = tl.load(p_k, mask=live_pc[:, None, None, None], other=0.0)
         if V5D:
             b_v = tl.load(p_v, mask=live_pc[None, :, None, None], other=0.0)
@@ -150,13 +152,11 @@ def _attend_tile(
     b_k = tl.reshape(b_k, (BT, D)).to(tl.float16)
     b_vt = tl.reshape(b_v, (D, BT))  # V^T
     b_s = tl.dot(b_q, tl.trans(b_k)) * row_scale[:, None]
-    if MASKED:
-        live_p = (tile_start + o_nt[:, None] * TB + o_tb[None, :]) < end  # [NT, TB] tokens in the context
+    # [NT, TB] tokens in the context; the per-token scale loads stay masked in both loops (unmasked,
+    # the pipeliner prefetched them into registers: 96 -> 128 registers, 5 -> 4 programs per SM)
+    live_p = (tile_start + o_nt[:, None] * TB + o_tb[None, :]) < end
     if K_PER_TOKEN:
-        if MASKED:
-            ks_t = tl.load(p_ks + b[:, None] * stride_ks_b + i_h * stride_ks_h + t_p[None, :], mask=live_p, other=0.0)
-        else:
-            ks_t = tl.load(p_ks + b[:, None] * stride_ks_b + i_h * stride_ks_h + t_p[None, :])
+        ks_t = tl.load(p_ks + b[:, None] * stride_ks_b + i_h * stride_ks_h + t_p[None, :], mask=live_p, other=0.0)
         b_s = b_s * tl.reshape(ks_t, (BT,))[None, :]
     if MASKED:
         tok = tile_start + o_t
@@ -181,10 +181,7 @@ def _attend_tile(
     else:
         b_vt = b_vt.to(tl.float16)
     if V_PER_TOKEN:
-        if MASKED:
-            vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :], mask=live_p, other=0.0)
-        else:
-            vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :])
+        vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :], mask=live_p, other=0.0)
         b_p = b_p * tl.reshape(vs_t, (BT,))[None, :]
     b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(tl.float16), tl.trans(b_vt))
     return m_new, b_l, b_acc
