@@ -78,16 +78,16 @@ def prefill_tiling(D: int, G: int, block_size: int = 16) -> Tuple[int, int, int,
     """(query rows per work item, BT, warps, stages) of a prefill launch: a work item is a tile of
     query rows of one sequence times its GQA group (the dots' M = rows * G). FLYDSL_BACKENDS_PA_PREFILL_M
     / _BT / _WARPS / _STAGES override them (call ``prefill_tiling.cache_clear()`` after changing them).
-    H200 sweep at 5d4857b (benchmarks/results/pa_sweep_H200_2026-12-03.txt, D=128, GQA 4, 128k
-    tables, B=4 x 2048 new on a 6144 prefix): M 128, BT 64, 4 warps, 2 stages 4.07 ms against
-    4.96 ms with 8 warps (the best spill-free setting), although ptxas spills 268 bytes with 4
-    warps: two 4-warp programs per SM overlap one's softmax with the other's loads and dots. The
-    resource test allows exactly this configuration's spills (SPILL_ALLOWED in resources.py)."""
-    m = _env_int("FLYDSL_BACKENDS_PA_PREFILL_M", 128 if D <= 128 else 64)
+    H200 sweeps (benchmarks/results/pa_sweep_H200_2026-12-03.txt, D=128, GQA 4, 128k tables, B=4 x
+    2048 new on a 6144 prefix): M 256, BT 64, 8 warps, 2 stages 3.70 ms; M 128 with 4 warps 4.06 ms,
+    with 8 warps 4.95 ms (the best spill-free setting). ptxas spills 164 bytes at M 256 with Triton
+    3.6; the resource test allows exactly this configuration's spills (SPILL_ALLOWED in resources.py).
+    """
+    m = _env_int("FLYDSL_BACKENDS_PA_PREFILL_M", 256 if D == 128 else 128 if D < 128 else 64)
     rows = max(1, m // G)
     bt, warps, stages = decode_tiling(D, work_rows(G, rows), block_size)
     if D <= 128 and work_rows(G, rows) >= 128:
-        bt, warps, stages = 64, 4 if D == 128 else 8, 2
+        bt, warps, stages = 64, 8, 2
     return (rows, _env_int("FLYDSL_BACKENDS_PA_PREFILL_BT", bt), _env_int("FLYDSL_BACKENDS_PA_PREFILL_WARPS", warps),
             _env_int("FLYDSL_BACKENDS_PA_PREFILL_STAGES", stages))
 

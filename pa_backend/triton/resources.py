@@ -14,9 +14,9 @@ SHIPPED_CONFIGS = [(D, bs, m, v5, pt) for D in (64, 128, 256) for bs in (16, 64,
                    for v5, pt in ((False, False), (True, True))]
 
 # Spill bytes (stores) allowed per configuration; every other shipped configuration must not spill.
-# Prefill D=128, M=128 with 4 warps: 268 bytes with Triton 3.6, and 18% faster on the H200 than the
-# spill-free 8-warp setting (prefill_tiling's docstring has the figures).
-SPILL_ALLOWED = {("prefill", 128, 128): 512}
+# Prefill D=128, M=256 (8 warps): 164 bytes with Triton 3.6, and on the H200 25% faster than the best
+# spill-free setting (prefill_tiling's docstring has the figures).
+SPILL_ALLOWED = {("prefill", 128, 256): 512}
 
 
 def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = False, per_token: bool = False,
