@@ -149,6 +149,17 @@ def prepare() -> None:
         os.environ.setdefault(k, v)
     register_ops()
     install_flash_attn_stub()
+    inspect_models_in_process()
+
+
+def inspect_models_in_process() -> None:
+    """vLLM inspects a model class in a fresh ``python -m vllm.model_executor.models.registry``
+    process (to keep CUDA uninitialized in the parent); that process has none of the stand-ins
+    above, so the import fails there. With the engine core in process
+    (VLLM_ENABLE_V1_MULTIPROCESSING=0) nothing forks after CUDA starts: inspect in this process."""
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda fn: fn()
 
 
 def engine_kwargs(graphs: bool, capture_sizes=None) -> dict:
