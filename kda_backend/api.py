@@ -1,6 +1,6 @@
 """Public KDA decode ops: ``kda_decode``, ``kda_decode_with_f_b``, ``is_kda_decode_supported``.
 
-DESIGN §3 is the contract. Implementations (``torch`` reference, ``triton``, ``flydsl``) are
+docs/design.md §3 is the contract. Implementations (``torch`` reference, ``triton``, ``flydsl``) are
 chosen by ``backend_core.registry``; ``FLYDSL_BACKENDS_KDA=torch|triton|flydsl`` forces one when
 ``backend="auto"``.
 """
@@ -56,7 +56,7 @@ def _dispatch(p: KDAProblem, backend: str) -> torch.Tensor:
 def kda_decode(x, conv_weight, conv_state, a, b, A_log, dt_bias, state, state_indices, output_gate, norm_weight, *,
                conv_bias=None, lower_bound: Optional[float] = None, norm_eps: float = 1e-5,
                scale: Optional[float] = None, out: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
-    """One fused KDA decode step for B single-token requests (DESIGN §3).
+    """One fused KDA decode step for B single-token requests (docs/design.md §3).
 
     Shapes (H heads, K = V head dim, C = 3*H*K channels, W conv width):
 
@@ -81,7 +81,7 @@ def kda_decode(x, conv_weight, conv_state, a, b, A_log, dt_bias, state, state_in
     * ``out`` [B, H, V] bf16, any disjoint row layout with unit stride along V, filled in place
       and returned; allocated when None.
 
-    Live rows must use distinct slots (``KDA_DECODE_SLOT_CHECK=1`` checks it, with a host sync).
+    Live rows must use distinct slots (``FLYDSL_BACKENDS_KDA_SLOT_CHECK=1`` checks it, with a host sync).
     Bad input raises ValueError/TypeError naming the argument before anything is written.
     No host synchronization and a shape-fixed grid: safe inside CUDA-graph capture.
     """

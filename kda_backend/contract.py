@@ -1,13 +1,14 @@
 """The KDA decode contract: argument validation and the normalized problem every implementation
-receives. DESIGN §3 is the specification; each check below names the argument it rejects.
+receives. docs/design.md §3 is the specification; each check below names the argument it rejects.
 
 Validation never reads tensor data on the device (no host sync) except the opt-in debug slot
-check (``KDA_DECODE_SLOT_CHECK=1``), which is skipped while a CUDA graph is being captured.
+check (``FLYDSL_BACKENDS_KDA_SLOT_CHECK=1``), which is skipped while a CUDA graph is being captured.
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -43,9 +44,21 @@ def _env_int(name: str, default: Optional[int]) -> Optional[int]:
         raise ValueError(f"{name}={raw!r}: expected an integer") from None
 
 
-# Read once at import: a malformed value fails loudly here, not inside a decode step.
-SLOT_CHECK: bool = bool(_env_int("KDA_DECODE_SLOT_CHECK", 0))
-SLOT_CHECK_PADDING_SLOT: Optional[int] = _env_int("KDA_DECODE_SLOT_CHECK_PADDING_SLOT", None)
+def _env_int_renamed(name: str, old: str, default: Optional[int]) -> Optional[int]:
+    """``name``, or the deprecated ``old`` spelling of it (a warning says so)."""
+    if os.environ.get(name, "").strip() == "" and os.environ.get(old, "").strip() != "":
+        warnings.warn(f"{old} is deprecated: set {name} instead", FutureWarning, stacklevel=2)
+        name = old
+    return _env_int(name, default)
+
+
+# Read once at import: a malformed value fails loudly here, not inside a decode step. The names
+# before 0.1.1 (KDA_DECODE_SLOT_CHECK, KDA_DECODE_SLOT_CHECK_PADDING_SLOT) still work, with a warning.
+SLOT_CHECK_ENV = "FLYDSL_BACKENDS_KDA_SLOT_CHECK"
+SLOT_CHECK_PADDING_ENV = "FLYDSL_BACKENDS_KDA_SLOT_CHECK_PADDING_SLOT"
+SLOT_CHECK: bool = bool(_env_int_renamed(SLOT_CHECK_ENV, "KDA_DECODE_SLOT_CHECK", 0))
+SLOT_CHECK_PADDING_SLOT: Optional[int] = _env_int_renamed(SLOT_CHECK_PADDING_ENV, "KDA_DECODE_SLOT_CHECK_PADDING_SLOT",
+                                                          None)
 
 
 @dataclass
@@ -310,6 +323,6 @@ def check_unique_slots(p: KDAProblem, padding_slot: Optional[int]) -> None:
     dup = uniq[counts > 1]
     if dup.numel():
         raise ValueError(
-            f"state_indices: live rows share slots {dup.tolist()[:8]} (KDA_DECODE_SLOT_CHECK=1; "
-            "set KDA_DECODE_SLOT_CHECK_PADDING_SLOT=<n> if one scratch slot may repeat)"
+            f"state_indices: live rows share slots {dup.tolist()[:8]} ({SLOT_CHECK_ENV}=1; "
+            f"set {SLOT_CHECK_PADDING_ENV}=<n> if one scratch slot may repeat)"
         )

@@ -1,4 +1,4 @@
-"""Reference KDA decode: readable torch, one loop over rows, FP32 math (DESIGN §3).
+"""Reference KDA decode: readable torch, one loop over rows, FP32 math (docs/design.md §3).
 
 ``run_reference`` executes a validated problem; the public entry points are
 ``kda_backend.kda_decode(..., backend="torch")`` or its alias ``kda_decode_ref``.

@@ -54,6 +54,7 @@ import threading
 from typing import Optional
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .api import kda_decode, kda_decode_with_f_b
 
@@ -171,7 +172,7 @@ _k3_logged = set()
 _k3_cover_cache: "OrderedDict[tuple, tuple]" = OrderedDict()  # bounded LRU (call signatures)
 _K3_COVER_CACHE_SIZE = 256
 _k3_state = {"fallback_broken": False}
-_cuda_conv_weight_cache = {}
+_cuda_conv_weight_cache = WeakIdKeyDictionary()  # keyed by tensor identity, entries die with the tensor
 
 
 def _log_once(key: str, level: int, msg: str, *args) -> None:
@@ -302,12 +303,15 @@ def k3_run_around(original, *, f_a, f_b_weight, mixed_qkv, conv_weight, conv_sta
 
 def _cuda_conv_weight(w_q_t, w_k_t, w_v_t):
     """[C, W] fp32 from SGLang's per-segment transposed copies ([W, seg] each), built once per
-    weight set (static after load; keyed by address)."""
-    key = (w_q_t.data_ptr(), w_k_t.data_ptr(), w_v_t.data_ptr(), w_q_t.device)
-    w = _cuda_conv_weight_cache.get(key)
-    if w is None:
-        w = torch.cat([w_q_t, w_k_t, w_v_t], dim=1).t().contiguous().float()
-        _cuda_conv_weight_cache[key] = w
+    weight set. The entry lives as long as ``w_q_t`` (a weak key: a freed layer frees it, and a new
+    tensor at a reused address is a new key) and is rebuilt when any of the three tensors is another
+    object or was written in place since (weight reload)."""
+    stamp = tuple((id(t), t._version) for t in (w_q_t, w_k_t, w_v_t))
+    hit = _cuda_conv_weight_cache.get(w_q_t)
+    if hit is not None and hit[0] == stamp:
+        return hit[1]
+    w = torch.cat([w_q_t, w_k_t, w_v_t], dim=1).t().contiguous().float()
+    _cuda_conv_weight_cache[w_q_t] = (stamp, w)
     return w
 
 

@@ -1,4 +1,4 @@
-"""Public FP8 paged-attention ops: ``pa_decode``, ``write_kv``, ``pa_prefill`` (DESIGN §4).
+"""Public FP8 paged-attention ops: ``pa_decode``, ``write_kv``, ``pa_prefill`` (docs/design.md §4).
 
 Implementations are chosen by ``backend_core.registry``; ``FLYDSL_BACKENDS_PA=torch|triton|flydsl``
 forces one when ``backend="auto"``. Status: on a GPU ``auto`` picks the Triton kernels (tested on

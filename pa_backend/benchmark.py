@@ -1,4 +1,4 @@
-"""``flydsl-backends bench pa``: FP8 paged attention at serving shape (DESIGN §4.1).
+"""``flydsl-backends bench pa``: FP8 paged attention at serving shape (docs/design.md §4.1).
 
 Every case uses block tables as wide as a server's (``table_tokens``, default 128k tokens, or the
 context when longer): the columns past each sequence's context hold garbage block ids, as stale

@@ -1,4 +1,4 @@
-"""The FP8 paged-attention contract (DESIGN §4): validation and the normalized problems.
+"""The FP8 paged-attention contract (docs/design.md §4): validation and the normalized problems.
 
 One KV layout everywhere: key_cache [num_blocks, Hkv, D/16, block_size, 16] (16 FP8 bytes per
 chunk), value_cache [num_blocks, Hkv, D, block_size] or [num_blocks, Hkv, block_size/16, D, 16].

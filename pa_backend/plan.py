@@ -1,4 +1,4 @@
-"""Plan once per batch, run per layer (DESIGN §4.1; FlashInfer's plan/run split).
+"""Plan once per batch, run per layer (docs/design.md §4.1; FlashInfer's plan/run split).
 
 A server's forward step runs the same paged attention batch through every layer: the block
 tables, context lengths and query layout are the batch's, only the query, the layer's caches and

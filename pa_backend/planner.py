@@ -1,4 +1,4 @@
-"""Split-K plan and workspace of the paged-attention kernels (DESIGN §4.1).
+"""Split-K plan and workspace of the paged-attention kernels (docs/design.md §4.1).
 
 The grid's partition count P is a function of shapes only — the number of work items, KV heads,
 an upper bound on the context (the block-table width, or the batch's max context when the host

@@ -1,5 +1,5 @@
 """Reference paged attention over the FP8 cache: gather pages, dequantize with the same scales,
-FP32 softmax. Readable loops over sequences; DESIGN §4 is the specification.
+FP32 softmax. Readable loops over sequences; docs/design.md §4 is the specification.
 
 * ``dequantize_tokens`` reads tokens 0..n-1 of one sequence through its block table.
 * ``run_attention`` executes a validated decode or prefill problem.

@@ -2,13 +2,13 @@
 
 An adapter only: it turns SGLang's metadata (``req_to_token``, ``seq_lens``, ``out_cache_loc``,
 ``extend_seq_lens``) into the arguments of :func:`pa_backend.write_kv`, :func:`pa_backend.pa_decode`
-and :func:`pa_backend.pa_prefill` (DESIGN §4). No kernel code lives here.
+and :func:`pa_backend.pa_prefill` (docs/design.md §4). No kernel code lives here.
 
 Public names (all SGLang classes are built lazily, so ``import pa_backend.sglang`` imports no
 SGLang module; they are created on first attribute access):
 
 * ``FlyDSLMHATokenToKVPool`` — subclass of SGLang's ``MHATokenToKVPool`` whose per-layer buffers are
-  the DESIGN §4 layout (which is the pool's own ``vectorized_5d`` label): K
+  the docs/design.md §4 layout (which is the pool's own ``vectorized_5d`` label): K
   ``[num_blocks, Hkv, D/16, P, 16]``, V ``[num_blocks, Hkv, P/16, D, 16]``, FP8 stored as uint8,
   ``num_blocks = (size + P) // P`` (block 0 = SGLang's reserved padding page). Writes go through
   ``write_kv`` (which divides by the per-tensor scale itself and does *not* mutate the caller's
@@ -96,7 +96,7 @@ def _build_pool_class():
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, unwrap_write_loc
 
     class FlyDSLMHATokenToKVPool(MHATokenToKVPool):
-        """FP8 paged KV pool in the DESIGN §4 layout (SGLang's ``vectorized_5d`` shapes, X = 16).
+        """FP8 paged KV pool in the docs/design.md §4 layout (SGLang's ``vectorized_5d`` shapes, X = 16).
 
         Constructed by SGLang's configurator with the in-tree keyword arguments. Slot ``s`` is
         block ``s // P``, offset ``s % P``; block 0 is the padding page SGLang reserves.
@@ -134,7 +134,7 @@ def _build_pool_class():
             return (self.size + self.page_size) // self.page_size
 
         def caches(self, layer_id: int):
-            """(key_cache, value_cache) FP8 views of layer ``layer_id`` in the DESIGN §4 layout."""
+            """(key_cache, value_cache) FP8 views of layer ``layer_id`` in the docs/design.md §4 layout."""
             i = layer_id - self.start_layer
             return self.k_buffer[i].view(self.dtype), self.v_buffer[i].view(self.dtype)
 

@@ -5,13 +5,13 @@ An adapter only: it turns vLLM's ``CommonAttentionMetadata`` and KV-cache view i
 :func:`pa_backend.write_kv` and one paged-attention plan per step (:func:`pa_backend.plan_decode` /
 :func:`pa_backend.plan_prefill`, built by the metadata builder from ``query_start_loc_cpu`` and
 ``max_seq_len``; every layer's ``forward`` runs it: no host sync, planning or re-validation of the
-batch per layer; DESIGN §4.1). No kernel code lives here. All vLLM classes are built on first attribute access
+batch per layer; docs/design.md §4.1). No kernel code lives here. All vLLM classes are built on first attribute access
 (PEP 562), so ``import pa_backend.vllm`` imports no vLLM module.
 
 The cache (``customize_spec``): each block holds two head slots of ``block_size x (Hkv*D)`` bytes —
 slot 0 the K page, slot 1 the V page — so vLLM's logical layer view is ``[num_blocks, 2, N, Hkv*D]``
 uint8. With the (N, C)-innermost layouts this backend asks for (``LBHNC``, ``LHBNC``) each (block,
-slot) region is one contiguous run of ``N*Hkv*D`` bytes, which the impl reads as the DESIGN §4 pages:
+slot) region is one contiguous run of ``N*Hkv*D`` bytes, which the impl reads as the docs/design.md §4 pages:
 K ``[Hkv, D/16, N, 16]`` and V ``[Hkv, N/16, D, 16]``. Block and slot strides are taken from the tensor
 (vLLM's layouts and hybrid page padding change them); vLLM never interprets those bytes itself.
 
@@ -176,7 +176,7 @@ def _build_backend_class():
 
         @classmethod
         def supports_kv_connector(cls) -> bool:
-            return False  # the pages are the DESIGN §4 layout, not what connectors expect
+            return False  # the pages are the docs/design.md §4 layout, not what connectors expect
 
         @classmethod
         def customize_spec(cls, spec):

@@ -5,7 +5,7 @@ Follows the pattern of SGLang's own attention test kit (a ``ModelRunner`` subcla
 translator), written for this project. Built here, for real:
 
 * ``ReqToTokenPool`` (row 0 = padding row) and, per side, the KV pool: the flydsl side gets
-  ``FlyDSLMHATokenToKVPool`` (DESIGN §4 layout, FP8), the reference side SGLang's own NHD
+  ``FlyDSLMHATokenToKVPool`` (docs/design.md §4 layout, FP8), the reference side SGLang's own NHD
   ``MHATokenToKVPool`` with the same FP8 dtype;
 * ``ForwardBatch`` (decode / extend / mixed) bound to its own KV plan;
 * ``RadixAttention`` layers (GQA);

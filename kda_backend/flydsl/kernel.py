@@ -1,4 +1,4 @@
-"""The project's own FlyDSL kernel for the fused KDA decode step (DESIGN §3), flydsl 0.4.2 API.
+"""The project's own FlyDSL kernel for the fused KDA decode step (docs/design.md §3), flydsl 0.4.2 API.
 
 Status: compiled and resource-checked for gfx950 and gfx942 on a CPU-only machine
 (``COMPILE_ONLY=1``); it has never run on AMD hardware here. ``launch`` needs an AMD GPU.
@@ -7,8 +7,8 @@ Design
 ------
 Grid: one CTA per (row n, head h), ``B*H`` CTAs on a 1-D grid (``bid = n*H + h``), NUM_WARPS
 wave64 waves (default 4 = 256 threads). A CTA covers all V = 128 rows of the [V, K] state tile
-of (slot(n), h). V is never split across CTAs, so the conv-window race of DESIGN §7 cannot
-happen: each conv channel of a (row, head) is read and shifted by exactly one thread of one
+of (slot(n), h). V is never split across CTAs, so the conv-window race of a V-split kernel (two
+CTAs of one row shifting the same conv window; docs/design.md §3) cannot happen: each conv channel of a (row, head) is read and shifted by exactly one thread of one
 CTA, and that thread writes the shifted window only after it has read the old one.
 
 Phases inside a CTA:

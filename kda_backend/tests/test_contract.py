@@ -1,4 +1,4 @@
-"""DESIGN §3 contract, one test per bullet, for the reference and (interpreted or on GPU) Triton."""
+"""docs/design.md §3 contract, one test per bullet, for the reference and (interpreted or on GPU) Triton."""
 
 import os
 import subprocess
@@ -140,7 +140,7 @@ def test_duplicate_slot_debug_check(monkeypatch, impl):
 
 
 def test_duplicate_slots_not_checked_by_default(impl):
-    assert contract.SLOT_CHECK is False or os.environ.get("KDA_DECODE_SLOT_CHECK")
+    assert contract.SLOT_CHECK is False or os.environ.get(contract.SLOT_CHECK_ENV)
     case = make_case(B=2, **SMALL, device=DEVICE)
     s = case.live_slots[0]
     kw = dict(case.kwargs, state_indices=torch.tensor([s, s], dtype=torch.int32, device=DEVICE))
@@ -149,11 +149,22 @@ def test_duplicate_slots_not_checked_by_default(impl):
 
 @pytest.mark.parametrize("value", ["yes", "1.5"])
 def test_slot_check_env_must_be_integer(value):
-    env = dict(os.environ, KDA_DECODE_SLOT_CHECK_PADDING_SLOT=value, KDA_DECODE_SLOT_CHECK="1")
+    env = dict(os.environ, FLYDSL_BACKENDS_KDA_SLOT_CHECK_PADDING_SLOT=value, FLYDSL_BACKENDS_KDA_SLOT_CHECK="1")
     proc = subprocess.run([sys.executable, "-c", "import kda_backend"], env=env, capture_output=True, text=True,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode != 0
-    assert f"KDA_DECODE_SLOT_CHECK_PADDING_SLOT={value!r}: expected an integer" in proc.stderr
+    assert f"FLYDSL_BACKENDS_KDA_SLOT_CHECK_PADDING_SLOT={value!r}: expected an integer" in proc.stderr
+
+
+def test_slot_check_old_variable_names_still_work_with_a_warning():
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLYDSL_BACKENDS_KDA_SLOT", "KDA_DECODE_SLOT"))}
+    env.update(KDA_DECODE_SLOT_CHECK="1", KDA_DECODE_SLOT_CHECK_PADDING_SLOT="7")
+    code = "from kda_backend import contract; print(contract.SLOT_CHECK, contract.SLOT_CHECK_PADDING_SLOT)"
+    proc = subprocess.run([sys.executable, "-W", "always::FutureWarning", "-c", code], env=env, capture_output=True,
+                          text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True", "7"]
+    assert "KDA_DECODE_SLOT_CHECK is deprecated: set FLYDSL_BACKENDS_KDA_SLOT_CHECK instead" in proc.stderr
 
 
 def test_specialization_cache_bounded_and_scalar_free():

@@ -112,3 +112,24 @@ def test_sglang_packed_decode_converts_bf16_gate_parameters():
     want = _packed_decode(tk["x"], tk["a"], tk["b"], A_log=A16.float(), dt_bias=dt16.float(),
                           ssm_states=tk["state"], **args)
     assert torch.equal(got, want)
+
+
+def test_sglang_conv_weight_cache_follows_the_tensors():
+    """The fused-decode path's [C, W] conv weight is built once per weight set, rebuilt after an
+    in-place reload or with other tensors, and freed with the layer's tensor (no address keys:
+    a new tensor at a reused address must not get a stale weight)."""
+    import gc
+
+    from kda_backend import sglang as ks
+
+    q, k, v = torch.ones(4, 3), torch.ones(4, 2), torch.ones(4, 3)
+    w = ks._cuda_conv_weight(q, k, v)
+    assert w.shape == (8, 4) and ks._cuda_conv_weight(q, k, v) is w
+    q.add_(1)  # weights reloaded in place
+    w2 = ks._cuda_conv_weight(q, k, v)
+    assert w2 is not w and (w2[:3] == 2).all()
+    assert (ks._cuda_conv_weight(q, torch.zeros(4, 2), v)[3:5] == 0).all()
+    n = len(ks._cuda_conv_weight_cache)
+    del q
+    gc.collect()
+    assert len(ks._cuda_conv_weight_cache) == n - 1

@@ -2,7 +2,7 @@
 
 Independent: the conv is ``F.conv1d`` (groups = channels) over the explicit window, the delta
 rule is the matrix form S' = S·D·(I - β k kᵀ) + β v kᵀ with D = diag(exp(g)), and the gates are
-written from the formulas of DESIGN §3 without the reference's helpers.
+written from the formulas of docs/design.md §3 without the reference's helpers.
 """
 
 import math

@@ -7,7 +7,7 @@ AITER's ``aiter.ops.flydsl.pa_decode`` (the "paged-attention Tile kernel", also 
               query_length, max_context_partition_num, context_partition_size=256, compute_type=...,
               sinks=None, sliding_window=0, ...)
 
-It reads the cache layout of DESIGN §4 as is (x-packed K, 4-D or transposed 5-D V, e4m3fnuz on
+It reads the cache layout of docs/design.md §4 as is (x-packed K, 4-D or transposed 5-D V, e4m3fnuz on
 gfx942 and e4m3fn on gfx950, per-tensor [1] or per-token [num_blocks, Hkv, block] scales, block
 16/64/128, query length <= 4, contiguous output). Where the contracts differ:
 

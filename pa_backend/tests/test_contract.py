@@ -1,4 +1,4 @@
-"""DESIGN §4 safety and write_kv contract, one test per bullet (reference implementation)."""
+"""docs/design.md §4 safety and write_kv contract, one test per bullet (reference implementation)."""
 
 import pytest
 import torch

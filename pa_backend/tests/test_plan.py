@@ -1,4 +1,4 @@
-"""Plan once per batch, run per layer; work that follows the real context (issue 15, DESIGN §4.1).
+"""Plan once per batch, run per layer; work that follows the real context (issue 15, docs/design.md §4.1).
 
 CPU: the Triton kernels through the interpreter and the reference. The CUDA-graph and host-sync
 cases are GPU-marked (run on the device).

@@ -1,6 +1,6 @@
 """The paged-attention reference against an independent formulation.
 
-Independent: K/V are read token by token with the index formulas of DESIGN §4 (no fancy
+Independent: K/V are read token by token with the index formulas of docs/design.md §4 (no fancy
 gathers), attention is float64 with an explicit mask (``F.scaled_dot_product_attention`` when no
 sinks; an appended sink logit otherwise).
 """
