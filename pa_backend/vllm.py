@@ -80,11 +80,10 @@ def uniform_query_length(query_start_loc_cpu: torch.Tensor, num_reqs: int, num_a
     n = int(max_query_len)
     if not 1 <= n <= _contract.MAX_QUERY_LENGTH or num_actual_tokens != num_reqs * n or num_reqs == 0:
         return 0
-    lens = (query_start_loc_cpu[1:num_reqs + 1] - query_start_loc_cpu[:num_reqs]).tolist()
-    live = 0
-    while live < len(lens) and lens[live] == n:
-        live += 1
-    return n if all(x == 0 for x in lens[live:]) else 0
+    qsl = query_start_loc_cpu[:num_reqs + 1].tolist()
+    lens = [b - a for a, b in zip(qsl, qsl[1:])]
+    live = lens.count(n)  # list operations run in C: this is on every step's host path
+    return n if lens[:live] == [n] * live and not any(lens[live:]) else 0
 
 
 def kv_cache_views(kv_cache: torch.Tensor, num_kv_heads: int, head_size: int, fp8_dtype: torch.dtype):
