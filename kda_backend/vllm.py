@@ -81,6 +81,8 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from backend_core.buffers import DeviceBuffers
+
 __all__ = ["register_layer_hooks", "flydsl_kda_enabled", "CONFIG_KEY", "KIMI_LINEAR_LAYER", "KIMI_K3_LAYER",
            "kimi_linear_layer_class", "kimi_k3_layer_class", "decode_on_flydsl", "map_state_indices"]
 
@@ -131,28 +133,8 @@ def flydsl_kda_enabled(vllm_config) -> bool:
 
 # --- state-index mapping ---------------------------------------------------------------------------
 
-class _IndexBuffers:
-    """Persistent int32 index / bool mask buffers per device. They only grow, and an outgrown
-    buffer is kept alive, so CUDA graphs captured with it stay valid."""
-
-    def __init__(self):
-        self._bufs: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
-        self._old: List[Tuple[torch.Tensor, torch.Tensor]] = []
-
-    def get(self, device: torch.device, n: int, hint: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
-        cur = self._bufs.get(device)
-        if cur is None or cur[0].numel() < n:
-            size = max(n, hint, 2 * cur[0].numel() if cur is not None else 0, 1)
-            if cur is not None:
-                self._old.append(cur)
-            with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
-                cur = (torch.empty(size, dtype=torch.int32, device=device),
-                       torch.empty(size, dtype=torch.bool, device=device))
-            self._bufs[device] = cur
-        return cur
-
-
-_index_buffers = _IndexBuffers()
+# persistent int32 index / bool mask per device (grow-only; graphs captured with a buffer keep it)
+_index_buffers = DeviceBuffers("vLLM KDA state indices", [(torch.int32, False), (torch.bool, False)])
 
 
 def map_state_indices(indices: torch.Tensor, num_rows: int, hint: int = 0) -> torch.Tensor:
@@ -166,7 +148,7 @@ def map_state_indices(indices: torch.Tensor, num_rows: int, hint: int = 0) -> to
         raise ValueError(f"non_spec_state_indices_tensor: expected a 1-D int32/int64 tensor, got "
                          f"{list(indices.shape)} {indices.dtype}")
     n = min(int(indices.shape[0]), int(num_rows))
-    buf, mask = _index_buffers.get(indices.device, int(num_rows), hint)
+    buf, mask = _index_buffers.get(indices.device, (int(num_rows), int(num_rows)), minimum=(hint, hint))
     out = buf[:num_rows]
     src = indices[:n]
     torch.le(src, 0, out=mask[:n])

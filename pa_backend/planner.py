@@ -18,16 +18,14 @@ decode step allocates. A call that needs more grows it; a buffer that was outgro
 from __future__ import annotations
 
 import functools
-import logging
-import threading
 from dataclasses import dataclass
-from typing import Dict, List
 
 import torch
 
+from backend_core.buffers import DeviceBuffers
+
 __all__ = ["Split", "plan_partitions", "work_rows", "workspace", "reserve", "workspace_bytes"]
 
-log = logging.getLogger("flydsl_backends.pa")
 
 # Programs per SM the split-K aims for, and the partition lengths it prefers. Partitions shorter
 # than LONG_PARTITION_TOKENS are made only while there are fewer than FEW_PROGRAMS_PER_SM programs
@@ -80,42 +78,22 @@ def _floats(items: int, Hkv: int, P: int, BM: int, D: int) -> int:
     return items * Hkv * P * BM * (D + 2)
 
 
-class _Workspace:
-    def __init__(self):
-        self.lock = threading.Lock()
-        self.buffers: Dict[torch.device, torch.Tensor] = {}
-        self.retired: List[torch.Tensor] = []  # outgrown buffers earlier graphs may still write
-
-    def get(self, device: torch.device, n: int) -> torch.Tensor:
-        with self.lock:
-            buf = self.buffers.get(device)
-            if buf is None or buf.numel() < n:
-                if buf is not None:
-                    self.retired.append(buf)
-                    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                        log.warning("pa workspace grew to %d MiB during CUDA-graph capture; call "
-                                    "pa_backend.reserve() with the largest batch before capturing", n * 4 >> 20)
-                buf = torch.empty(max(n, 2 * buf.numel() if buf is not None else n), dtype=torch.float32,
-                                  device=device)
-                self.buffers[device] = buf
-            return buf
-
-
-_WS = _Workspace()
+# one FP32 buffer per device (backend_core.buffers: grow-only, outgrown buffers kept alive for captured
+# graphs; growth inside capture allocates from the graph's pool with a warning)
+_WS = DeviceBuffers("pa split-K workspace", [(torch.float32, False)])
 
 
 def workspace(device: torch.device, items: int, Hkv: int, P: int, BM: int, D: int):
     """(m [items, Hkv, P, BM], l [same], acc [items, Hkv, P, BM, D]) FP32 views of the device's
     workspace (contents undefined; every partition writes its slice before the reduce reads it)."""
     n = items * Hkv * P * BM
-    buf = _WS.get(torch.device(device), _floats(items, Hkv, P, BM, D))
+    buf = _WS.get(device, (_floats(items, Hkv, P, BM, D),))[0]
     return (buf[:n].view(items, Hkv, P, BM), buf[n:2 * n].view(items, Hkv, P, BM),
             buf[2 * n:n * (D + 2)].view(items, Hkv, P, BM, D))
 
 
 def workspace_bytes(device) -> int:
-    buf = _WS.buffers.get(torch.device(device))
-    return 0 if buf is None else buf.numel() * 4
+    return _WS.nbytes(device)
 
 
 def reserve(max_num_seqs: int, Hq: int, Hkv: int, D: int, max_context: int, block_size: int, *,
@@ -137,5 +115,5 @@ def reserve(max_num_seqs: int, Hq: int, Hkv: int, D: int, max_context: int, bloc
     # the largest request over batch sizes: fewer sequences get more partitions each
     need = max(_floats(b, Hkv, plan_partitions(b, Hkv, max_context, sms).P, BM, D)
                for b in range(1, max_num_seqs + 1))
-    _WS.get(device, need)
+    _WS.get(device, (need,))
     return workspace_bytes(device)

@@ -14,6 +14,7 @@ from typing import Tuple
 import torch
 
 from backend_core import platform
+from backend_core.buffers import DeviceBuffers
 from ..contract import KDAProblem
 
 __all__ = ["available", "supports", "run", "launch_config"]
@@ -68,33 +69,21 @@ MAX_SPLIT_PAIRS = 4096
 
 
 class _Workspace:
-    """Per-device scratch for the last-program protocol: zeroed counters and FP32 o rows.
+    """Per-device scratch for the last-program protocol: zeroed counters and FP32 o rows
+    (``backend_core.buffers.DeviceBuffers``: grow-only, outgrown sets kept alive for captured graphs,
+    growth inside CUDA-graph capture raises because the counters must start zeroed).
 
-    Only launches that split V use it, and the launch policy splits only when B*H is small (a
-    few programs per SM), so a fixed capacity of MAX_SPLIT_PAIRS (row, head) pairs suffices. It is
-    allocated on the first eager call on a device; the kernel leaves the counters at zero after
-    every launch, so CUDA graphs replay. Launches that split V must not run concurrently on two
-    streams of one device (they share the counters).
+    Only launches that split V use it, and the launch policy splits only when B*H is small (a few
+    programs per SM), so a first allocation of MAX_SPLIT_PAIRS (row, head) pairs suffices. The
+    kernel leaves the counters at zero after every launch, so CUDA graphs replay. Launches that
+    split V must not run concurrently on two streams of one device (they share the counters).
     """
 
     def __init__(self):
-        self._by_device = {}
-        self._retired = []  # outgrown buffers stay alive: a captured graph may still point at them
+        self.buffers = DeviceBuffers("KDA Triton workspace", [(torch.int32, True), (torch.float32, False)])
 
     def get(self, device: torch.device, pairs: int, V: int):
-        ws = self._by_device.get(device)
-        if ws is None or ws[0].numel() < pairs or ws[1].numel() < pairs * V:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise ValueError(
-                    "KDA Triton workspace: first use on this device is inside CUDA-graph capture; run one eager "
-                    "decode step before capturing (frameworks' warm-up runs do)")
-            if ws is not None:
-                self._retired.append(ws)
-            n = max(pairs, MAX_SPLIT_PAIRS)
-            ws = (torch.zeros(n, dtype=torch.int32, device=device),
-                  torch.empty(n * max(V, 128), dtype=torch.float32, device=device))
-            self._by_device[device] = ws
-        return ws
+        return self.buffers.get(device, (pairs, pairs * V), minimum=(MAX_SPLIT_PAIRS, MAX_SPLIT_PAIRS * max(V, 128)))
 
 
 WORKSPACE = _Workspace()

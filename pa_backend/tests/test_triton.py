@@ -171,12 +171,12 @@ def test_reserved_workspace_is_reused_and_outgrown_buffers_stay_alive():
 
     planner._WS.buffers.pop(torch.device(DEVICE), None)  # earlier tests may have grown it past these sizes
     planner.reserve(8, 4, 1, 64, 4096, 16, device=DEVICE, sms=4)
-    buf = planner._WS.buffers[DEVICE]
+    buf = planner._WS.buffers[DEVICE][0]
     case = make_pa_case([40, 6, 100], Hq=4, Hkv=1, D=64, device=DEVICE)
     case.call("triton")
-    assert planner._WS.buffers[DEVICE] is buf
+    assert planner._WS.buffers[DEVICE][0] is buf
     planner.reserve(64, 16, 1, 256, 1 << 16, 16, device=DEVICE, sms=4)
-    assert planner._WS.buffers[DEVICE] is not buf and any(r is buf for r in planner._WS.retired)
+    assert planner._WS.buffers[DEVICE][0] is not buf and any(r[0] is buf for r in planner._WS.retired)
     with pytest.raises(ValueError, match="Hq: expected a multiple of Hkv"):
         planner.reserve(8, 6, 4, 64, 4096, 16, device=DEVICE)
 
