@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
-OPS = ("kda", "pa")
+from . import ops as _ops
 
 
 def _prepare_cpu_interpreter() -> Optional[str]:
@@ -38,18 +38,6 @@ def _prepare_cpu_interpreter() -> Optional[str]:
     return "no GPU: Triton kernels run through TRITON_INTERPRET=1 on CPU tensors, small shapes"
 
 
-def _registry(op: str):
-    if op == "kda":
-        from kda_backend import REGISTRY
-
-        return REGISTRY
-    if op == "pa":
-        from pa_backend import REGISTRY
-
-        return REGISTRY
-    raise ValueError(f"op: expected one of {OPS}, got {op!r}")
-
-
 def cmd_info(args) -> int:
     note = _prepare_cpu_interpreter()
     from backend_core import platform
@@ -63,14 +51,14 @@ def cmd_info(args) -> int:
         print(f"  device  {d}")
     if note:
         print(f"  note    {note}")
-    for op in OPS:
-        reg = _registry(op)
-        print(f"\n{op}: implementations (auto prefers, on GPU: {' > '.join(reg.preference['cuda'])}; "
+    for op in _ops.OPS:
+        reg = op.registry()
+        print(f"\n{op.name}: implementations (auto prefers, on GPU: {' > '.join(reg.preference['cuda'])}; "
               f"on CPU: {' > '.join(reg.preference['cpu'])}; force with {reg.env_var}=<name>)")
         for name, ok, why in reg.status():
             print(f"  {name:<7} {'available' if ok else 'unavailable':<12} {why}")
         print(f"  flydsl sources ({_source_env()}; auto prefers AITER where it covers the call):")
-        for src, ok, why in _flydsl_sources(op):
+        for src, ok, why in op.sources():
             print(f"    {src:<6} {'found' if ok else 'not usable':<11} {why}")
     if args.resources:
         return _print_resources()
@@ -81,14 +69,6 @@ def _source_env() -> str:
     from backend_core.flydsl_source import SOURCE_ENV
 
     return f"{SOURCE_ENV}={os.environ.get(SOURCE_ENV) or 'auto'}"
-
-
-def _flydsl_sources(op: str):
-    if op == "kda":
-        from kda_backend.flydsl import sources
-    else:
-        from pa_backend.flydsl import sources
-    return sources()
 
 
 def _print_resources() -> int:
@@ -115,21 +95,15 @@ def cmd_verify(args) -> int:
     failures = 0
     total = 0
     n_skipped = 0
-    for op in OPS if args.op == "all" else (args.op,):
-        reg = _registry(op)
+    for fam in _ops.OPS if args.op == "all" else (_ops.get(args.op),):
+        op = fam.name
+        reg = fam.registry()
         impls = [n for n, ok, _ in reg.status() if ok and (not args.backend or n in args.backend)]
         skipped = [(n, why) for n, ok, why in reg.status() if not ok]
         for n, why in skipped:
             print(f"  {op}/{n}: not run ({why})")
         t0 = time.time()
-        if op == "kda":
-            from kda_backend.verify import run_verify
-
-            rows = run_verify(impls, device, small, progress=lambda r: None)
-        else:
-            from pa_backend.verify import run_verify
-
-            rows = run_verify(impls, device, small)
+        rows = fam.run_verify(impls, device, small)
         print(f"\n{'op':<5} {'impl':<7} {'result':<6} {'out err':>9} {'state err':>9}  case")
         for r in rows:
             if r.get("skipped"):
@@ -152,49 +126,17 @@ def cmd_bench(args) -> int:
     from backend_core import platform
     from backend_core.timing import today, write_rows
 
-    if args.op == "pa" and args.host:
-        return _bench_pa_host(args)
-    if not platform.has_gpu():
+    if not platform.has_gpu() and not getattr(args, "host", False):
         print("bench needs a CUDA/ROCm GPU; this machine has none (timings on the CPU interpreter mean nothing); "
               "`bench pa --host` measures the per-layer host time on any machine")
         return 2
-    import torch
-
-    if args.op == "pa":
-        from pa_backend.benchmark import run_bench as run_pa
-
-        rows = run_pa(impls=args.impl.split(","), trials=max(args.trials, 30), baseline=not args.no_baseline,
-                      table_tokens=args.table_tokens)
-    else:
-        from kda_backend.benchmark import run_bench
-
-        dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-        rows = run_bench(batches=[int(b) for b in args.batches.split(",")], H=args.heads, K=args.head_dim,
-                         state_dtypes=[dtypes[d] for d in args.state_dtypes.split(",")],
-                         f_b_modes=[m == "on" for m in args.f_b.split(",")], lower_bound=args.lower_bound,
-                         impls=args.impl.split(","), trials=args.trials, with_fla=not args.no_fla)
+    rows = _ops.get(args.op).run_bench(args)
+    if isinstance(rows, int):  # the op printed its own result
+        return rows
     dev = platform.device_info().name.replace(" ", "_")
     out = Path(args.out) if args.out else Path("benchmarks/results") / f"{args.op}_decode_{dev}_{today()}.csv"
     write_rows(out, rows)
     print(f"{len(rows)} rows appended to {out}")
-    return 0
-
-
-def _bench_pa_host(args) -> int:
-    """Host time of one layer's paged-attention call on this machine: ``plan.run`` (the adapters'
-    per-layer call) against the eager op, with an implementation that returns at once (only the
-    host side is timed; on a GPU the full ``bench pa`` also times it with the real kernels)."""
-    import torch
-
-    from pa_backend.benchmark import bench_case, host_overhead
-
-    dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    kw = bench_case(8, 1024, 1, 32, 8, 128, 16, "tensor", dev, table_tokens=args.table_tokens)
-    res = host_overhead(kw, layers=args.trials * 20, backend="null")
-    print(f"pa host time per layer call ({dev}, B=8, Hq=32, Hkv=8, table {args.table_tokens} tokens, "
-          "implementation = null):")
-    for k, v in res.items():
-        print(f"  {k:10s} {v:8.1f} us")
     return 0
 
 
@@ -206,27 +148,17 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--resources", action="store_true",
                    help="also compile every shipped FlyDSL specialization for gfx950/gfx942 and print VGPR/LDS/...")
     v = sub.add_parser("verify", help="every available implementation against the reference")
-    v.add_argument("--op", default="all", choices=("all",) + OPS)
+    v.add_argument("--op", default="all", choices=("all",) + _ops.names())
     v.add_argument("--backend", action="append", help="only these implementations (repeatable)")
     v.add_argument("--small", action="store_true", help="small shapes even on a GPU")
     b = sub.add_parser("bench", help="CUDA-graph timings, CSV rows under benchmarks/results/")
-    b.add_argument("op", choices=OPS)
-    b.add_argument("--batches", default="1,32,128", help="kda only (pa runs the issue's fixed configurations)")
-    b.add_argument("--heads", type=int, default=12)
-    b.add_argument("--head-dim", type=int, default=128)
-    b.add_argument("--state-dtypes", default="fp32,bf16")
-    b.add_argument("--f-b", default="off,on", help="comma list of off/on")
-    b.add_argument("--lower-bound", type=float, default=None, help="safe-gate lower bound (Kimi-K3: -5)")
+    b.add_argument("op", choices=_ops.names())
     b.add_argument("--impl", default="triton,flydsl",
                    help="comma list of implementations to time (those that cannot serve a case are skipped)")
     b.add_argument("--trials", type=int, default=50)
-    b.add_argument("--no-fla", action="store_true", help="kda: skip the composed fla-core baseline")
-    b.add_argument("--no-baseline", action="store_true", help="pa: skip the torch gather + SDPA baseline")
-    b.add_argument("--table-tokens", type=int, default=1 << 17,
-                   help="pa: block-table width in tokens (a server's max-model-len; default 131072)")
-    b.add_argument("--host", action="store_true",
-                   help="pa: only the per-layer host time (plan.run vs the eager op); runs on CPU too")
-    b.add_argument("--out", default=None, help="CSV path (default benchmarks/results/kda_decode_<device>_<date>.csv)")
+    for fam in _ops.OPS:  # each family's own flags (their help names the op)
+        fam.add_bench_args(b)
+    b.add_argument("--out", default=None, help="CSV path (default benchmarks/results/<op>_decode_<device>_<date>.csv)")
     return p
 
 

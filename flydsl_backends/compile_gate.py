@@ -1,4 +1,5 @@
-"""CPU compile gate of the project's FlyDSL kernels: build every shipped specialization for gfx950 and
+"""CPU compile gate of the project's FlyDSL kernels: build every shipped specialization of every op
+family that has its own FlyDSL kernels (``flydsl_backends.ops.OPS``, ``flydsl_kernels``) for gfx950 and
 gfx942 without an AMD GPU and fail on anything a GPU would suffer from.
 
     python -m flydsl_backends.compile_gate [--arch gfx950,gfx942] [--vgpr-budget N] [--json FILE]
@@ -13,7 +14,7 @@ installed ``triton`` wheel.
 One worker process per arch (FlyDSL freezes its target at first use), with ``COMPILE_ONLY=1``,
 ``ARCH`` and ``FLYDSL_GPU_ARCH`` both set and the on-disk cache off; the two run side by side. A
 specialization fails the gate on: a compile error, any VGPR/SGPR spill, any scratch, LDS over the
-arch's budget, or VGPRs over the per-kernel budget in ``kda_backend/flydsl/budgets.json``.
+arch's budget, or VGPRs over the per-kernel budget in the op family's ``budgets.json``.
 """
 
 from __future__ import annotations
@@ -73,21 +74,24 @@ def ensure_toolchain(root: Optional[str] = None) -> str:
 
 
 # --- budgets ---------------------------------------------------------------------------------------
-def budget_file() -> str:
-    """``budgets.json`` next to the KDA FlyDSL kernel (package data)."""
-    from kda_backend.flydsl import kernel
+def kernel_modules():
+    """(op name, compile-gate module) of every op family with its own FlyDSL kernels."""
+    from .ops import OPS
 
-    return kernel._BUDGETS_PATH
+    return [(op.name, op.kernels()) for op in OPS if op.flydsl_kernels]
 
 
 def load_budgets(path: Optional[str] = None) -> Dict[str, int]:
-    path = path or budget_file()
-    with open(path) as f:
-        data = json.load(f)
-    budgets = data.get("vgpr", data)
-    if not isinstance(budgets, dict) or not all(isinstance(v, int) for v in budgets.values()):
-        raise ValueError(f"{path}: expected {{'vgpr': {{kernel name, prefix or '*': int}}}}")
-    return budgets
+    """The VGPR budgets of every family's ``budgets.json`` (or of ``path``), merged."""
+    merged: Dict[str, int] = {}
+    for p in [path] if path else [mod.BUDGETS_PATH for _, mod in kernel_modules()]:
+        with open(p) as f:
+            data = json.load(f)
+        budgets = data.get("vgpr", data)
+        if not isinstance(budgets, dict) or not all(isinstance(v, int) for v in budgets.values()):
+            raise ValueError(f"{p}: expected {{'vgpr': {{kernel name, prefix or '*': int}}}}")
+        merged.update(budgets)
+    return merged
 
 
 def verdict(row: dict, budgets: Dict[str, int], lds_limit: int) -> List[str]:
@@ -115,24 +119,24 @@ def verdict(row: dict, budgets: Dict[str, int], lds_limit: int) -> List[str]:
 def _worker(arch: str, only: Optional[str]) -> int:
     """Compile every shipped specialization for ``arch`` in this process; JSON rows on stdout."""
     from backend_core import flydsl_compile
-    from kda_backend.flydsl import kernel
 
     problems = flydsl_compile.toolchain_problems()
     if problems:
         print(json.dumps({"fatal": "; ".join(problems)}))
         return 2
-    specs = [s for s in kernel.SHIPPED_SPECS if not only or only in kernel.kernel_name(s)]
-    for i, spec in enumerate(specs):
-        name = kernel.kernel_name(spec)
+    specs = [(mod, s) for _, mod in kernel_modules() for s in mod.SHIPPED_SPECS
+             if not only or only in mod.kernel_name(s)]
+    for i, (mod, spec) in enumerate(specs):
+        name = mod.kernel_name(spec)
         t0 = time.perf_counter()
         try:
-            row = dict(kernel.compile_spec(spec))
+            row = dict(mod.compile_spec(spec))
             row.setdefault("kernel", name)
         except Exception as exc:  # the gate reports it and fails, the other specs still build
             row = {"kernel": name, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
         row["arch"] = arch
         row["compile_s"] = round(time.perf_counter() - t0, 2)
-        threads = kernel.threads_of(spec)
+        threads = mod.threads_of(spec)
         if "error" not in row:
             row["waves"] = flydsl_compile.waves_per_simd(row.get("vgpr", 0), row.get("agpr", 0), row.get("lds", 0), arch,
                                                          threads)

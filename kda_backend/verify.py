@@ -49,7 +49,7 @@ def verify_grid(small: bool) -> List[Dict[str, object]]:
     return base
 
 
-def run_verify(impls: Sequence[str], device: torch.device, small: bool, progress=print) -> List[Dict[str, object]]:
+def run_verify(impls: Sequence[str], device: torch.device, small: bool, progress=None) -> List[Dict[str, object]]:
     """Rows {impl, case, ok, out_err, state_err, ...} for each implementation and grid point.
 
     The yardstick is the reference math run in float64 on the same inputs, so the ``torch`` row
@@ -69,7 +69,8 @@ def run_verify(impls: Sequence[str], device: torch.device, small: bool, progress
             if not ok:  # outside this implementation's coverage: reported, not a failure
                 res = {"ok": True, "skipped": why, "impl": impl, "case": case.desc}
                 rows.append(res)
-                progress(res)
+                if progress:
+                    progress(res)
                 continue
             try:
                 run.call(impl)
@@ -78,5 +79,6 @@ def run_verify(impls: Sequence[str], device: torch.device, small: bool, progress
                 res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
             res.update(impl=impl, case=case.desc)
             rows.append(res)
-            progress(res)
+            if progress:
+                progress(res)
     return rows

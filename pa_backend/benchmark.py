@@ -306,3 +306,28 @@ def _point(us: float):
     from backend_core.timing import Timing
 
     return Timing(median_us=us, p10_us=us, p90_us=us, trials=1, inner=1)
+
+
+def add_bench_args(parser) -> None:
+    """``flydsl-backends bench pa`` flags."""
+    parser.add_argument("--no-baseline", action="store_true", help="pa: skip the torch gather + SDPA baseline")
+    parser.add_argument("--table-tokens", type=int, default=TABLE_TOKENS,
+                        help=f"pa: block-table width in tokens (a server's max-model-len; default {TABLE_TOKENS})")
+    parser.add_argument("--host", action="store_true",
+                        help="pa: only the per-layer host time (plan.run vs the eager op); runs on CPU too")
+
+
+def bench_cli(args):
+    """``flydsl-backends bench pa``: rows for the CLI to write, or (``--host``) the per-layer host
+    time printed here, on any machine (returns the exit status)."""
+    if args.host:
+        dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        kw = bench_case(8, 1024, 1, 32, 8, 128, 16, "tensor", dev, table_tokens=args.table_tokens)
+        res = host_overhead(kw, layers=args.trials * 20, backend="null")
+        print(f"pa host time per layer call ({dev}, B=8, Hq=32, Hkv=8, table {args.table_tokens} tokens, "
+              "implementation = null):")
+        for k, v in res.items():
+            print(f"  {k:10s} {v:8.1f} us")
+        return 0
+    return run_bench(impls=args.impl.split(","), trials=max(args.trials, 30), baseline=not args.no_baseline,
+                     table_tokens=args.table_tokens)

@@ -41,7 +41,8 @@ def verify_grid(small: bool) -> List[Dict[str, object]]:
     return grid
 
 
-def run_verify(impls: Sequence[str], device: torch.device, small: bool) -> List[Dict[str, object]]:
+def run_verify(impls: Sequence[str], device: torch.device, small: bool, progress=None) -> List[Dict[str, object]]:
+    """Rows {impl, case, ok, out_err, ...} per implementation and grid point (``progress`` gets each row)."""
     rows = []
     for seed, params in enumerate(verify_grid(small)):
         case = make_pa_case(**params, device=device, seed=seed)
@@ -60,6 +61,8 @@ def run_verify(impls: Sequence[str], device: torch.device, small: bool) -> List[
             if not ok:  # outside this implementation's coverage: reported, not a failure
                 res.update(ok=True, skipped=why)
                 rows.append(res)
+                if progress:
+                    progress(res)
                 continue
             try:
                 out = case.call(impl, out=torch.full_like(kw["query"], float("nan")))
@@ -71,4 +74,6 @@ def run_verify(impls: Sequence[str], device: torch.device, small: bool) -> List[
             except Exception as exc:
                 res.update(ok=False, error=f"{type(exc).__name__}: {exc}")
             rows.append(res)
+            if progress:
+                progress(res)
     return rows

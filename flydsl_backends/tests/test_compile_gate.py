@@ -59,7 +59,7 @@ HAVE_TOOLCHAIN = all(importlib.util.find_spec(m) for m in ("flydsl", "ziglang", 
 
 @pytest.mark.skipif(not HAVE_TOOLCHAIN, reason="flydsl / ziglang not installed (pip install '.[flydsl-compile]'; .ci/run does)")
 def test_gate_compiles_one_specialization_and_fails_on_a_lowered_budget(tmp_path, capsys):
-    from kda_backend.flydsl import kernel
+    from kda_backend.flydsl import shipped as kernel
 
     name = kernel.kernel_name(kernel.SHIPPED_SPECS[0])
     out = tmp_path / "rows.json"

@@ -49,14 +49,12 @@ Runtime scalars (not in the specialization key): B (grid), num_slots, scale, low
 norm_eps and every stride. conv_state and conv_weight may have any strides (channel-major or
 the width-major transpose view); b, out and output_gate any row / head strides.
 
-VGPR budgets (``budgets.json`` next to this file): ``budget_for(kernel_name)`` uses the entry
-whose key equals the name, else the longest key that is a prefix of the name, else ``"*"``.
+The specializations shipped (compiled and resource-checked by the compile gate) and their VGPR
+budgets are in ``shipped.py`` beside this file.
 """
 
 
 import functools
-import json
-import os
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -74,9 +72,7 @@ __all__ = [
     "supports",
     "get_launcher",
     "launch",
-    "SHIPPED_SPECS",
     "compile_spec",
-    "budget_for",
     "threads_of",
 ]
 
@@ -85,7 +81,6 @@ SUPPORTED_K = (128,)
 SUPPORTED_W = (4,)
 MAX_R = 512
 DEFAULT_WARPS = 4
-_BUDGETS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "budgets.json")
 
 
 @dataclass(frozen=True)
@@ -513,32 +508,8 @@ def launch(p: KDAProblem) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------
-# shipped specializations and the compile gate
+# compile-only builds (the shipped list and budgets: shipped.py)
 # ------------------------------------------------------------------------------------------------
-
-
-def _shipped() -> List[Spec]:
-    """The full cross product the project ships (60 specs; ~45-55 s per arch on 2 CPU cores):
-    H in SUPPORTED_H x state {fp32, bf16} x
-      * fully fused (conv W=4, no conv bias, gated norm with BF16 norm_weight, int32 indices):
-        gate from ``a`` or from f_b (R=128), safe gate (lower_bound) on and off -> 4 specs;
-      * post-conv packed form (no conv, no norm; SGLang's packed decode), plain gate, safe gate
-        on and off -> 2 specs.
-    Other combinations (conv bias, FP32 norm_weight, int64 indices, other R, the packed form
-    with f_b / norm) are supported and compile on first use (lru_cache)."""
-    out: List[Spec] = []
-    for H in SUPPORTED_H:
-        for state in ("fp32", "bf16"):
-            for has_f_b in (False, True):
-                for safe in (False, True):
-                    out.append(Spec(H=H, state=state, has_f_b=has_f_b, R=128 if has_f_b else 0, safe_gate=safe,
-                                    fb_chunk=fb_chunk_for(state, has_f_b, 128)))
-            for safe in (False, True):  # SGLang's packed decode (Kimi-Linear; Kimi-K3 with the safe gate)
-                out.append(Spec(H=H, state=state, W=0, has_conv=False, has_norm=False, safe_gate=safe))
-    return out
-
-
-SHIPPED_SPECS: List[Spec] = _shipped()
 
 
 def example_problem(spec: Spec, B: int = 2, slots: int = 4, width_major_conv: bool = False) -> KDAProblem:
@@ -599,13 +570,3 @@ def compile_spec(spec: Spec) -> dict:
     if res["kernel"] != kernel_name(spec):
         raise RuntimeError(f"compile_spec: compiled kernel {res['kernel']!r}, expected {kernel_name(spec)!r}")
     return res
-
-
-def budget_for(name: str, budgets: Optional[dict] = None) -> Optional[int]:
-    """VGPR budget of a kernel: exact name, else the longest matching prefix, else '*'."""
-    from backend_core.flydsl_compile import vgpr_budget
-
-    if budgets is None:
-        with open(_BUDGETS_PATH) as f:
-            budgets = json.load(f)
-    return vgpr_budget(name, budgets.get("vgpr", {}))
