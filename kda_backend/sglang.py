@@ -60,10 +60,23 @@ from .api import kda_decode, kda_decode_with_f_b
 
 __all__ = ["make_decode_kernel", "dispatcher_init_around", "user_selected_flydsl", "register_hooks", "FLAG_VALUE",
            "k3_available_around", "k3_warmup_around", "k3_covered_around", "k3_run_around",
-           "k3_cuda_fused_decode_around"]
+           "k3_cuda_fused_decode_around", "check_server_args"]
 
 log = logging.getLogger("flydsl_backends.sglang")
 FLAG_VALUE = "flydsl"
+
+
+def check_server_args(cfg) -> None:
+    """The server-argument policy of the flydsl KDA kernel backend (``cfg``: SGLang's resolved server
+    args): a decode-only kernel, so prefill and speculative verify stay on SGLang's kernels. Raises
+    ValueError naming the flag and the one that works."""
+    for flag, value in (("--linear-attn-backend", getattr(cfg, "linear_attn_backend", None)),
+                        ("--linear-attn-prefill-backend", getattr(cfg, "linear_attn_prefill_backend", None)),
+                        ("--linear-attn-verify-backend", getattr(cfg, "linear_attn_verify_backend", None))):
+        if value == FLAG_VALUE:
+            raise ValueError(
+                f"{flag} flydsl: the flydsl KDA backend serves decode only (prefill and speculative verify stay on "
+                "SGLang's kernels); use --linear-attn-decode-backend flydsl and leave the others unset")
 
 
 def _gate_params_fp32(A_log: torch.Tensor, dt_bias: torch.Tensor):

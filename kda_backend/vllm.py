@@ -77,7 +77,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 

@@ -1,6 +1,8 @@
-"""The SGLang resolution-time check on plain records (no SGLang needed): what it accepts, what it
-rejects and that each message names the flag and a combination that works. The same check runs
-inside SGLang's resolution pipeline in integration_tests/sglang/test_plugin.py."""
+"""The SGLang adapters' server-argument policies (``kda_backend.sglang.check_server_args``, then
+``pa_backend.sglang.check_server_args``, the order the plugin's resolution hook runs them) on plain
+records (no SGLang needed): what they accept, what they reject and that each message names the flag
+and a combination that works. The same checks run inside SGLang's resolution pipeline in
+integration_tests/sglang/test_plugin.py."""
 
 import subprocess
 import sys
@@ -8,7 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from flydsl_backends.plugins import check_sglang_args
+import kda_backend.sglang as kda_sglang
+import pa_backend.sglang as pa_sglang
+
+
+def check_sglang_args(cfg, is_mla):
+    kda_sglang.check_server_args(cfg)
+    pa_sglang.check_server_args(cfg, is_mla)
 
 
 SPEC = dict(speculative_algorithm="EAGLE3", speculative_eagle_topk=1, speculative_num_draft_tokens=3,

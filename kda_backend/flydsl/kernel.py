@@ -56,7 +56,7 @@ budgets are in ``shipped.py`` beside this file.
 
 import functools
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Tuple
 
 import torch
 
