@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+
+from .names import FLYDSL_ARCHES
 import re
 from typing import Dict, List, Optional
 
@@ -32,7 +34,7 @@ __all__ = [
     "waves_per_simd",
 ]
 
-ARCHES = ("gfx950", "gfx942")
+ARCHES = FLYDSL_ARCHES
 LDS_BYTES = {"gfx942": 65536, "gfx950": 163840}  # LDS per CU
 
 # CDNA3 / CDNA4, wave64

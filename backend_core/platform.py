@@ -17,6 +17,8 @@ from typing import Optional, Union
 
 import torch
 
+from . import names as _names
+
 DeviceLike = Union[torch.device, str, int, None]
 
 __all__ = [
@@ -171,7 +173,7 @@ def flydsl_available() -> bool:
 
 
 # The AMD architectures the FlyDSL kernels are built and resource-checked for (MI355X, MI300X).
-FLYDSL_ARCHES = ("gfx950", "gfx942")
+FLYDSL_ARCHES = _names.FLYDSL_ARCHES
 
 
 def _env_arch(name: str) -> Optional[str]:

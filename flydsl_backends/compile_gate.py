@@ -29,7 +29,9 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
-ARCHES = ("gfx950", "gfx942")
+from backend_core.names import FLYDSL_ARCHES
+
+ARCHES = FLYDSL_ARCHES
 COLUMNS = ("kernel", "arch", "vgpr", "agpr", "sgpr", "lds", "scratch", "waves", "compile_s", "verdict")
 
 

@@ -25,13 +25,15 @@ from __future__ import annotations
 import logging
 import threading
 
+from backend_core import names
+
 __all__ = ["register_sglang", "register_vllm"]
 
 log = logging.getLogger("flydsl_backends.plugins")
 _lock = threading.Lock()
 _done = set()
 
-FLYDSL = "flydsl"
+FLYDSL = names.FLYDSL
 
 
 def _once(name: str) -> bool:

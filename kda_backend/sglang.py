@@ -56,6 +56,8 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from backend_core import names
+
 from .api import kda_decode, kda_decode_with_f_b
 
 __all__ = ["make_decode_kernel", "dispatcher_init_around", "user_selected_flydsl", "register_hooks", "FLAG_VALUE",
@@ -63,7 +65,7 @@ __all__ = ["make_decode_kernel", "dispatcher_init_around", "user_selected_flydsl
            "k3_cuda_fused_decode_around", "check_server_args"]
 
 log = logging.getLogger("flydsl_backends.sglang")
-FLAG_VALUE = "flydsl"
+FLAG_VALUE = names.FLYDSL
 
 
 def check_server_args(cfg) -> None:

@@ -22,6 +22,7 @@ import threading
 
 import torch
 
+from backend_core import names
 from backend_core.lazy import LazyClasses
 
 from . import contract as _contract
@@ -34,7 +35,7 @@ __all__ = ["FlyDSLMHATokenToKVPool", "install_kv_pool_hook", "register_hooks", "
 PAGE_SIZES = (16, 64, 128)  # the SGLang pages this adapter is tested with (the op takes any multiple of 16)
 HEAD_DIMS = _contract.HEAD_DIMS  # (64, 128, 256)
 ACT_DTYPES = (torch.bfloat16, torch.float16)
-FLYDSL = "flydsl"
+FLYDSL = names.FLYDSL
 _lock = threading.Lock()  # the hook installation
 
 _WORKING = ("a working combination: --attention-backend flydsl --kv-cache-dtype fp8_e4m3 --page-size 16 "
