@@ -31,12 +31,23 @@ MAX_CONTEXT = 256
 FP8 = torch.float8_e4m3fn
 
 
+_PARALLEL_OVERRIDE: list = []  # the entered override (one per process); conftest.py exits it at session end
+
+
 def _enter_parallel_override():
+    """Single-rank attention parallelism for the runners built here (SGLang reads it from its
+    runtime context); entered once, undone by ``exit_parallel_override``."""
     from sglang.srt.runtime_context import get_parallel
 
-    if not getattr(_enter_parallel_override, "done", False):
-        get_parallel().override(attn_tp_size=1, attn_dcp_rank=0).__enter__()
-        _enter_parallel_override.done = True
+    if not _PARALLEL_OVERRIDE:
+        cm = get_parallel().override(attn_tp_size=1, attn_dcp_rank=0)
+        cm.__enter__()
+        _PARALLEL_OVERRIDE.append(cm)
+
+
+def exit_parallel_override():
+    while _PARALLEL_OVERRIDE:
+        _PARALLEL_OVERRIDE.pop().__exit__(None, None, None)
 
 
 class TinyConfig:

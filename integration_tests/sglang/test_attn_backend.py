@@ -18,8 +18,9 @@ try:
     import sglang.srt.layers.attention.base_attn_backend  # noqa: F401
     import sglang.srt.mem_cache.memory_pool  # noqa: F401
 except Exception as exc:  # pragma: no cover - depends on the environment
-    pytest.skip(f"sglang 0.5.23 is not importable here ({type(exc).__name__}: {exc}); use the /work/venv-sgl "
-                "venv with PYTHONPATH=integration_tests/stubs:.", allow_module_level=True)
+    pytest.skip(f"sglang 0.5.23 is not importable here ({type(exc).__name__}: {exc}); build an environment with "
+                "`bash integration_tests/setup-cpu-env.sh sglang DIR` and run DIR/bin/python -m pytest with "
+                "PYTHONPATH=integration_tests/stubs:. (README, Serving guide)", allow_module_level=True)
 
 from integration_tests.sglang import harness as H  # noqa: E402
 
