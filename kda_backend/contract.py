@@ -136,6 +136,126 @@ class KDAProblem:
                 + st(self.state_indices, 0) + st(self.output_gate, 0, 1) + st(self.out, 0, 1))
 
 
+def _check_x_and_state(x, state):
+    """x [B, 3*H*K] and the recurrent state [slots, H, V, K] fix B, H, K, V."""
+    x = require_tensor(x, "x")
+    require_dtype(x, "x", ACT_DTYPES)
+    if x.dim() != 2:
+        raise ValueError(f"x: expected shape [B, 3*H*K], got {list(x.shape)}")
+    require_unit_stride(x, "x")
+    B = int(x.shape[0])
+    state = checked_tensor(state, "state", x.device, STATE_DTYPES, anchor="x")
+    if state.dim() != 4:
+        raise ValueError(f"state: expected shape [slots, H, V, K], got {list(state.shape)}")
+    slots, H, V, K = (int(s) for s in state.shape)
+    if slots < 1 or H < 1 or K < 1:
+        raise ValueError(f"state: expected a non-empty [slots, H, V, K], got {list(state.shape)}")
+    if V != K:
+        raise ValueError(f"state: expected V == K (one head dim for keys and values), got V={V}, K={K}")
+    if state.stride(3) != 1 or state.stride(2) != K or state.stride(1) != V * K:
+        raise ValueError(
+            f"state: expected each slot contiguous (strides [*, {V * K}, {K}, 1]), got strides {tuple(state.stride())}"
+        )
+    if slots > 1 and state.stride(0) < H * V * K:
+        raise ValueError(
+            f"state: slots overlap (slot stride {state.stride(0)} < slot size {H * V * K} elements)"
+        )
+    require_shape(x, "x", (B, 3 * H * K), "[B, 3*H*K]")
+    return x, state, B, H, V, K, slots
+
+
+def _check_conv(conv_weight, conv_state, conv_bias, C: int, slots: int, device):
+    """The conv stage (off when conv_weight is None: conv_state is then not touched).
+    Returns (conv_weight, conv_state, conv_bias, W, live slot count)."""
+    if conv_weight is None:
+        if conv_bias is not None:
+            raise ValueError("conv_bias: given without conv_weight (the conv stage is off when conv_weight is None)")
+        return None, None, None, 0, slots
+    conv_weight = checked_tensor(conv_weight, "conv_weight", device, (torch.float32,), anchor="x")
+    if conv_weight.dim() != 2 or int(conv_weight.shape[0]) != C:
+        raise ValueError(f"conv_weight: expected shape [3*H*K, W] = [{C}, W], got {list(conv_weight.shape)}")
+    W = int(conv_weight.shape[1])
+    if W < 2:
+        raise ValueError(f"conv_weight: expected conv width W >= 2, got W={W}")
+    if conv_weight.stride(0) != 1 and conv_weight.stride(1) != 1:
+        raise ValueError(
+            f"conv_weight: expected one unit-stride axis (channel-major or width-major), got strides {tuple(conv_weight.stride())}"
+        )
+    conv_state = checked_tensor(conv_state, "conv_state", device, ACT_DTYPES, anchor="x")
+    if conv_state.dim() != 3 or int(conv_state.shape[1]) != C or int(conv_state.shape[2]) != W - 1:
+        raise ValueError(
+            f"conv_state: expected shape [slots, 3*H*K, W-1] = [slots, {C}, {W - 1}], got {list(conv_state.shape)}"
+        )
+    if int(conv_state.shape[0]) < 1:
+        raise ValueError("conv_state: expected at least one slot, got 0")
+    require_non_overlapping(conv_state, "conv_state")
+    require_int32_span(conv_state[0], "conv_state", "one slot")
+    require_int32_span(conv_weight, "conv_weight")
+    if conv_bias is not None:
+        conv_bias = checked_tensor(conv_bias, "conv_bias", device, (torch.float32,), anchor="x")
+        require_shape(conv_bias, "conv_bias", (C,), "[3*H*K]")
+        require_unit_stride(conv_bias, "conv_bias")
+    return conv_weight, conv_state, conv_bias, W, min(slots, int(conv_state.shape[0]))
+
+
+def _check_gate(a, b, A_log, dt_bias, f_a, f_b_weight, with_f_b: bool, B: int, H: int, K: int, device):
+    """The gate inputs: ``a`` [B, H*K], or ``f_a`` [B, R] and ``f_b_weight`` [H, K, R]; ``b``; A_log; dt_bias."""
+    if with_f_b:
+        f_a = checked_tensor(f_a, "f_a", device, ACT_DTYPES, anchor="x")
+        if f_a.dim() != 2 or int(f_a.shape[0]) != B or int(f_a.shape[1]) < 1:
+            raise ValueError(f"f_a: expected shape [B, R] with B={B}, got {list(f_a.shape)}")
+        require_unit_stride(f_a, "f_a")
+        R = int(f_a.shape[1])
+        f_b_weight = checked_tensor(f_b_weight, "f_b_weight", device, ACT_DTYPES, anchor="x")
+        require_shape(f_b_weight, "f_b_weight", (H, K, R), "[H, K, R]")
+        require_unit_stride(f_b_weight, "f_b_weight")
+        require_non_overlapping(f_b_weight, "f_b_weight")
+        require_int32_span(f_b_weight, "f_b_weight")
+        a = None
+    else:
+        a = checked_tensor(a, "a", device, ACT_DTYPES, anchor="x")
+        require_shape(a, "a", (B, H * K), "[B, H*K]")
+        require_unit_stride(a, "a")
+        f_a = f_b_weight = None
+    b = checked_tensor(b, "b", device, ACT_DTYPES, anchor="x")
+    if b.dim() == 3 and int(b.shape[0]) == 1:
+        b = b[0]
+    require_shape(b, "b", (B, H), "[B, H] or [1, B, H]")
+    A_log = checked_tensor(A_log, "A_log", device, (torch.float32,), anchor="x")
+    require_shape(A_log, "A_log", (H,), "[H]")
+    require_unit_stride(A_log, "A_log")
+    dt_bias = checked_tensor(dt_bias, "dt_bias", device, (torch.float32,), anchor="x")
+    require_shape(dt_bias, "dt_bias", (H * K,), "[H*K]")
+    require_unit_stride(dt_bias, "dt_bias")
+    return a, b, A_log, dt_bias, f_a, f_b_weight
+
+
+def _check_norm(output_gate, norm_weight, B: int, H: int, V: int, device):
+    """The gated-norm stage: both or neither of output_gate [B, H, V] and norm_weight [V]."""
+    if (output_gate is None) != (norm_weight is None):
+        missing = "norm_weight" if norm_weight is None else "output_gate"
+        raise ValueError(f"{missing}: output_gate and norm_weight go together (both for the gated norm, neither for raw o)")
+    if output_gate is None:
+        return None, None
+    output_gate = checked_tensor(output_gate, "output_gate", device, ACT_DTYPES, anchor="x")
+    require_shape(output_gate, "output_gate", (B, H, V), "[B, H, V]")
+    require_unit_stride(output_gate, "output_gate")
+    norm_weight = checked_tensor(norm_weight, "norm_weight", device, (torch.bfloat16, torch.float32), anchor="x")
+    require_shape(norm_weight, "norm_weight", (V,), "[V]")
+    require_unit_stride(norm_weight, "norm_weight")
+    return output_gate, norm_weight
+
+
+def _checked_out(out, x, B: int, H: int, V: int):
+    if out is None:
+        return torch.empty((B, H, V), dtype=x.dtype, device=x.device)
+    out = checked_tensor(out, "out", x.device, (x.dtype,), anchor="x")
+    require_shape(out, "out", (B, H, V), "[B, H, V]")
+    require_unit_stride(out, "out")
+    require_non_overlapping(out, "out")
+    return out
+
+
 def prepare(
     *,
     x,
@@ -159,134 +279,24 @@ def prepare(
     with_f_b: bool = False,
 ) -> KDAProblem:
     """Validate a ``kda_decode`` / ``kda_decode_with_f_b`` call and normalize it. Nothing is written."""
-    # --- x and the recurrent state fix B, H, K, V -------------------------------------------------
-    x = require_tensor(x, "x")
+    x, state, B, H, V, K, slots = _check_x_and_state(x, state)
     device = x.device
-    require_dtype(x, "x", ACT_DTYPES)
-    if x.dim() != 2:
-        raise ValueError(f"x: expected shape [B, 3*H*K], got {list(x.shape)}")
-    require_unit_stride(x, "x")
-    B = int(x.shape[0])
-
-    state = checked_tensor(state, "state", device, STATE_DTYPES, anchor="x")
-    if state.dim() != 4:
-        raise ValueError(f"state: expected shape [slots, H, V, K], got {list(state.shape)}")
-    slots, H, V, K = (int(s) for s in state.shape)
-    if slots < 1 or H < 1 or K < 1:
-        raise ValueError(f"state: expected a non-empty [slots, H, V, K], got {list(state.shape)}")
-    if V != K:
-        raise ValueError(f"state: expected V == K (one head dim for keys and values), got V={V}, K={K}")
-    if state.stride(3) != 1 or state.stride(2) != K or state.stride(1) != V * K:
-        raise ValueError(
-            f"state: expected each slot contiguous (strides [*, {V * K}, {K}, 1]), got strides {tuple(state.stride())}"
-        )
-    if slots > 1 and state.stride(0) < H * V * K:
-        raise ValueError(
-            f"state: slots overlap (slot stride {state.stride(0)} < slot size {H * V * K} elements)"
-        )
-    HK = H * K
-    C = 3 * HK
-    require_shape(x, "x", (B, C), "[B, 3*H*K]")
-
     state_indices = checked_tensor(state_indices, "state_indices", device, INDEX_DTYPES, anchor="x")
     require_shape(state_indices, "state_indices", (B,), "[B]")
-
-    # --- conv stage ------------------------------------------------------------------------------
-    num_slots = slots
-    W = 0
-    if conv_weight is not None:
-        conv_weight = checked_tensor(conv_weight, "conv_weight", device, (torch.float32,), anchor="x")
-        if conv_weight.dim() != 2 or int(conv_weight.shape[0]) != C:
-            raise ValueError(f"conv_weight: expected shape [3*H*K, W] = [{C}, W], got {list(conv_weight.shape)}")
-        W = int(conv_weight.shape[1])
-        if W < 2:
-            raise ValueError(f"conv_weight: expected conv width W >= 2, got W={W}")
-        if conv_weight.stride(0) != 1 and conv_weight.stride(1) != 1:
-            raise ValueError(
-                f"conv_weight: expected one unit-stride axis (channel-major or width-major), got strides {tuple(conv_weight.stride())}"
-            )
-        conv_state = checked_tensor(conv_state, "conv_state", device, ACT_DTYPES, anchor="x")
-        if conv_state.dim() != 3 or int(conv_state.shape[1]) != C or int(conv_state.shape[2]) != W - 1:
-            raise ValueError(
-                f"conv_state: expected shape [slots, 3*H*K, W-1] = [slots, {C}, {W - 1}], got {list(conv_state.shape)}"
-            )
-        if int(conv_state.shape[0]) < 1:
-            raise ValueError("conv_state: expected at least one slot, got 0")
-        require_non_overlapping(conv_state, "conv_state")
-        require_int32_span(conv_state[0], "conv_state", "one slot")
-        require_int32_span(conv_weight, "conv_weight")
-        num_slots = min(slots, int(conv_state.shape[0]))
-        if conv_bias is not None:
-            conv_bias = checked_tensor(conv_bias, "conv_bias", device, (torch.float32,), anchor="x")
-            require_shape(conv_bias, "conv_bias", (C,), "[3*H*K]")
-            require_unit_stride(conv_bias, "conv_bias")
-    else:
-        if conv_bias is not None:
-            raise ValueError("conv_bias: given without conv_weight (the conv stage is off when conv_weight is None)")
-        conv_state = None  # not touched when the conv stage is off
-
-    # --- gate inputs -----------------------------------------------------------------------------
-    if with_f_b:
-        f_a = checked_tensor(f_a, "f_a", device, ACT_DTYPES, anchor="x")
-        if f_a.dim() != 2 or int(f_a.shape[0]) != B or int(f_a.shape[1]) < 1:
-            raise ValueError(f"f_a: expected shape [B, R] with B={B}, got {list(f_a.shape)}")
-        require_unit_stride(f_a, "f_a")
-        R = int(f_a.shape[1])
-        f_b_weight = checked_tensor(f_b_weight, "f_b_weight", device, ACT_DTYPES, anchor="x")
-        require_shape(f_b_weight, "f_b_weight", (H, K, R), "[H, K, R]")
-        require_unit_stride(f_b_weight, "f_b_weight")
-        require_non_overlapping(f_b_weight, "f_b_weight")
-        a = None
-    else:
-        a = checked_tensor(a, "a", device, ACT_DTYPES, anchor="x")
-        require_shape(a, "a", (B, HK), "[B, H*K]")
-        require_unit_stride(a, "a")
-
-    b = checked_tensor(b, "b", device, ACT_DTYPES, anchor="x")
-    if b.dim() == 3 and int(b.shape[0]) == 1:
-        b = b[0]
-    require_shape(b, "b", (B, H), "[B, H] or [1, B, H]")
-
-    A_log = checked_tensor(A_log, "A_log", device, (torch.float32,), anchor="x")
-    require_shape(A_log, "A_log", (H,), "[H]")
-    require_unit_stride(A_log, "A_log")
-
-    dt_bias = checked_tensor(dt_bias, "dt_bias", device, (torch.float32,), anchor="x")
-    require_shape(dt_bias, "dt_bias", (HK,), "[H*K]")
-    require_unit_stride(dt_bias, "dt_bias")
-
-    # --- norm stage ------------------------------------------------------------------------------
-    if (output_gate is None) != (norm_weight is None):
-        missing = "norm_weight" if norm_weight is None else "output_gate"
-        raise ValueError(f"{missing}: output_gate and norm_weight go together (both for the gated norm, neither for raw o)")
-    if output_gate is not None:
-        output_gate = checked_tensor(output_gate, "output_gate", device, ACT_DTYPES, anchor="x")
-        require_shape(output_gate, "output_gate", (B, H, V), "[B, H, V]")
-        require_unit_stride(output_gate, "output_gate")
-        norm_weight = checked_tensor(norm_weight, "norm_weight", device, (torch.bfloat16, torch.float32), anchor="x")
-        require_shape(norm_weight, "norm_weight", (V,), "[V]")
-        require_unit_stride(norm_weight, "norm_weight")
-
-    # --- scalars ---------------------------------------------------------------------------------
+    conv_weight, conv_state, conv_bias, W, num_slots = _check_conv(conv_weight, conv_state, conv_bias, 3 * H * K,
+                                                                   slots, device)
+    a, b, A_log, dt_bias, f_a, f_b_weight = _check_gate(a, b, A_log, dt_bias, f_a, f_b_weight, with_f_b, B, H, K,
+                                                        device)
+    output_gate, norm_weight = _check_norm(output_gate, norm_weight, B, H, V, device)
     lower_bound = require_float(lower_bound, "lower_bound", optional=True)
     norm_eps = require_float(norm_eps, "norm_eps", positive=True)
     scale = require_float(scale, "scale", optional=True)
     if scale is None:
         scale = K ** -0.5
+    out = _checked_out(out, x, B, H, V)
 
-    # --- out -------------------------------------------------------------------------------------
-    if out is None:
-        out = torch.empty((B, H, V), dtype=x.dtype, device=device)
-    else:
-        out = checked_tensor(out, "out", device, (x.dtype,), anchor="x")
-        require_shape(out, "out", (B, H, V), "[B, H, V]")
-        require_unit_stride(out, "out")
-        require_non_overlapping(out, "out")
-
-    # offsets inside one slot, one weight and one row are 32-bit in the kernels (rows and slots: 64-bit)
+    # offsets inside one slot and one row are 32-bit in the kernels (rows and slots: 64-bit)
     require_int32_span(state[0], "state", "one slot")
-    if f_b_weight is not None:
-        require_int32_span(f_b_weight, "f_b_weight")
     for name, t in (("x", x), ("a", a), ("f_a", f_a), ("output_gate", output_gate), ("out", out)):
         if t is not None and t.shape[0] > 0:
             require_int32_span(t[0], name, "one row")
@@ -295,13 +305,13 @@ def prepare(
     # outputs and in-place caches share no memory with any other argument (no host sync)
     require_disjoint(
         [("out", out), ("state", state), ("conv_state", conv_state)],
-        [("x", x), ("conv_weight", conv_weight), ("conv_bias", conv_bias), ("a", a), ("f_a", f_a if with_f_b else None),
-         ("f_b_weight", f_b_weight if with_f_b else None), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias),
+        [("x", x), ("conv_weight", conv_weight), ("conv_bias", conv_bias), ("a", a), ("f_a", f_a),
+         ("f_b_weight", f_b_weight), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias),
          ("state_indices", state_indices), ("output_gate", output_gate), ("norm_weight", norm_weight)])
 
     problem = KDAProblem(
         B=B, H=H, K=K, V=V, W=W, x=x, conv_weight=conv_weight, conv_bias=conv_bias, conv_state=conv_state,
-        a=a, f_a=f_a if with_f_b else None, f_b_weight=f_b_weight if with_f_b else None, b=b,
+        a=a, f_a=f_a, f_b_weight=f_b_weight, b=b,
         A_log=A_log, dt_bias=dt_bias, state=state, state_indices=state_indices,
         output_gate=output_gate, norm_weight=norm_weight, lower_bound=lower_bound,
         norm_eps=norm_eps, scale=scale, out=out, num_slots=num_slots,
