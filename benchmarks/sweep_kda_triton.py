@@ -14,7 +14,7 @@ sys.path.insert(0, os.getcwd())
 from backend_core.timing import copy_bandwidth_gbps, time_cuda_graph  # noqa: E402
 from kda_backend import triton as ktriton  # noqa: E402
 from kda_backend.benchmark import TOUCH_BYTES, step_bytes  # noqa: E402
-from kda_backend.testing import make_case  # noqa: E402
+from kda_backend.cases import make_case  # noqa: E402
 
 H, K, W = 12, 128, 4
 copy = copy_bandwidth_gbps()

@@ -21,7 +21,7 @@ import torch
 
 from backend_core.timing import bench_context, result_row, time_cuda_graph
 
-from .testing import make_case
+from .cases import make_case
 
 __all__ = ["run_bench", "step_bytes"]
 

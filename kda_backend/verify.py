@@ -9,7 +9,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from .reference import run_reference
-from .testing import clone_caches, compare_runs, make_case
+from .cases import clone_caches, compare_runs, make_case
 
 __all__ = ["verify_grid", "run_verify", "tolerances"]
 

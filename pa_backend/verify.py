@@ -9,7 +9,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from .reference import run_attention
-from .testing import make_pa_case
+from .cases import make_pa_case
 
 __all__ = ["verify_grid", "run_verify", "OUT_TOL", "ACCURACY_TARGET", "tolerance"]
 

@@ -10,7 +10,7 @@ import torch
 import kda_backend
 from kda_backend import contract
 from kda_backend.reference import run_reference
-from kda_backend.testing import SENTINEL, clone_caches, compare_runs, make_case
+from kda_backend.cases import SENTINEL, clone_caches, compare_runs, make_case
 from kda_backend.verify import tolerances
 
 from .conftest import DEVICE
@@ -239,4 +239,4 @@ def test_auto_choice_logged_at_the_callers_line(caplog):
     case = make_case(B=2, **SMALL, device=DEVICE)
     clone_caches(case).call("auto")
     msgs = [r.getMessage() for r in caplog.records if "backend='auto' chose" in r.getMessage()]
-    assert msgs and "testing.py" in msgs[0]  # KDACase.call is the caller of kda_decode
+    assert msgs and "cases.py" in msgs[0]  # KDACase.call is the caller of kda_decode

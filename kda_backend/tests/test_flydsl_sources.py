@@ -13,7 +13,7 @@ from backend_core.testing import (amd_props, clear_device_memos, fake_gpus, inst
 from kda_backend import REGISTRY, is_kda_decode_supported
 from kda_backend import flydsl as kflydsl
 from kda_backend.flydsl import aiter as kaiter
-from kda_backend.testing import clone_caches, compare_runs, make_case
+from kda_backend.cases import clone_caches, compare_runs, make_case
 
 from . import aiter_standin
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kda_backend
-from kda_backend.testing import clone_caches, make_case
+from kda_backend.cases import clone_caches, make_case
 
 from .conftest import DEVICE
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from kda_backend.reference import kda_gate, run_reference
-from kda_backend.testing import make_case, rel_err
+from kda_backend.cases import make_case, rel_err
 
 from .conftest import DEVICE
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kda_backend.reference import run_reference
-from kda_backend.testing import clone_caches, make_case, rel_err
+from kda_backend.cases import clone_caches, make_case, rel_err
 
 
 def independent_step(kw, with_f_b: bool):

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from backend_core.testing import CORRUPTIONS, corrupt
 
 import kda_backend
-from kda_backend.testing import clone_caches, make_case, rel_err
+from kda_backend.cases import clone_caches, make_case, rel_err
 
 from .conftest import DEVICE
 

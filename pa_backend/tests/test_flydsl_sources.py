@@ -14,7 +14,7 @@ from pa_backend import REGISTRY, fp8_dtype_for, is_pa_decode_supported
 from pa_backend import flydsl as pflydsl
 from pa_backend.contract import prepare_attention, prepare_write
 from pa_backend.flydsl import aiter as paiter
-from pa_backend.testing import make_pa_case
+from pa_backend.cases import make_pa_case
 
 from . import aiter_standin
 

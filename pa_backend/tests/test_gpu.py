@@ -9,7 +9,7 @@ test_triton.py also run on the GPU when one is visible (write_kv bytes, safety c
 import pytest
 import torch
 
-from pa_backend.testing import make_pa_case
+from pa_backend.cases import make_pa_case
 
 from .test_triton import check
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pa_backend import REGISTRY, pa_decode, pa_prefill, write_kv
-from pa_backend.testing import make_pa_case
+from pa_backend.cases import make_pa_case
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not REGISTRY.get("triton").is_available()[0],

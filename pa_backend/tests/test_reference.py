@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pa_backend.testing import make_pa_case
+from pa_backend.cases import make_pa_case
 
 
 def read_token(kw, b, t):

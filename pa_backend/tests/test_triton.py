@@ -8,7 +8,7 @@ import torch
 from pa_backend import REGISTRY
 from pa_backend.contract import prepare_attention
 from pa_backend.reference import run_attention
-from pa_backend.testing import make_pa_case
+from pa_backend.cases import make_pa_case
 from pa_backend.verify import tolerance
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from backend_core.testing import CORRUPTIONS, corrupt
 
 from pa_backend import REGISTRY, pa_decode, pa_prefill, write_kv
-from pa_backend.testing import make_pa_case
+from pa_backend.cases import make_pa_case
 
 
 def base(**kw):
