@@ -164,6 +164,23 @@ def test_context_past_the_table_reads_nothing_beyond_it():
     assert torch.equal(out, good)
 
 
+@pytest.mark.parametrize("prefill", [False, True])
+def test_block_ids_outside_the_cache_read_block_zero(prefill):
+    """A corrupted table (ids past the cache or negative inside a sequence's extent; the reference
+    raises ValueError) never makes the kernels load outside the caches: such an id reads block 0,
+    so the output equals the same call with those ids replaced by 0."""
+    case = make_pa_case([40, 30], query_lengths=[3, 2] if prefill else None, Hq=4, Hkv=2, D=64, device=DEVICE,
+                        seed=21)
+    bt = case.kwargs["block_tables"]
+    nb = case.kwargs["key_cache"].shape[0]
+    bad, zeroed = bt.clone(), bt.clone()
+    bad[0, 1], bad[1, 0] = nb + 7, -3
+    zeroed[0, 1], zeroed[1, 0] = 0, 0
+    out = case.call("triton", block_tables=bad, out=torch.full_like(case.kwargs["query"], float("nan")))
+    ref = case.call("triton", block_tables=zeroed, out=torch.full_like(case.kwargs["query"], float("nan")))
+    assert torch.equal(out.isnan(), ref.isnan()) and torch.equal(out.nan_to_num(), ref.nan_to_num())
+
+
 def test_reserved_workspace_is_reused_and_outgrown_buffers_stay_alive():
     """After reserve() a decode batch within the reservation allocates nothing; a larger one grows
     the workspace and keeps the old buffer (a graph captured earlier still writes to it)."""

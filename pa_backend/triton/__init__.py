@@ -218,7 +218,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
     kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
     pa_decode_partition_kernel[(L.items, c.Hkv, sp.P)](
         p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc,
-        p.softmax_scale, p.sliding_window, L.max_tokens, sp.few, sp.min_tokens, sp.long_tokens,
+        p.softmax_scale, p.sliding_window, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens, sp.long_tokens,
         p.query.stride(0), p.query.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),

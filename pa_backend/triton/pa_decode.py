@@ -90,7 +90,7 @@ def _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, 
 @triton.jit
 def _attend_tile(
     b_m, b_l, b_acc, b_q, row_scale, last, first, m_valid, tile_start, end,
-    p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h,
+    p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
     stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
@@ -128,6 +128,9 @@ def _attend_tile(
         b = tl.load(p_bt + seq * stride_bt_s + blk_idx, mask=live_pc, other=0).to(tl.int64)
     else:
         b = tl.load(p_bt + seq * stride_bt_s + blk_idx).to(tl.int64)
+    # a block id outside the cache (a corrupted table: the reference raises ValueError) reads block 0
+    # instead: the result is meaningless but no load leaves the caches
+    b = tl.where((b >= 0) & (b < num_blocks), b, 0)
     # K [NT, TB, D/16, 16] from key_cache[b, h, c, t, 16]
     p_k = p_kc + i_h * stride_kc_h + b[:, None, None, None] * stride_kc_b \
         + t_p[None, :, None, None] * stride_kc_t + o_c[None, None, :, None] * stride_kc_c + o_16[None, None, None, :]
@@ -190,7 +193,7 @@ def _attend_tile(
 @triton.jit
 def pa_decode_partition_kernel(
     p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
-    softmax_scale, sliding_window, max_tokens, few_target, min_pt, long_pt,
+    softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
     stride_q_t, stride_q_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
@@ -246,7 +249,7 @@ def pa_decode_partition_kernel(
     for jt in tl.range(0, n_full):
         b_m, b_l, b_acc = _attend_tile(
             b_m, b_l, b_acc, b_q, row_scale, last, first, m_valid, u0 + jt * BT, end,
-            p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h,
+            p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
             stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
             stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
             D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, False)
@@ -254,7 +257,7 @@ def pa_decode_partition_kernel(
         tile_start = tl.where(jt < n_pre, start + jt * BT, u1 + (jt - n_pre) * BT)
         b_m, b_l, b_acc = _attend_tile(
             b_m, b_l, b_acc, b_q, row_scale, last, first, m_valid, tile_start, end,
-            p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h,
+            p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
             stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
             stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
             D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, True)

@@ -37,8 +37,8 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
             types[n] = "*fp32"
         elif n == "softmax_scale":
             types[n] = "fp32"
-        elif n.startswith("stride_") or n in ("sliding_window", "capacity", "max_tokens", "few_target", "min_pt",
-                                              "long_pt", "P"):
+        elif n.startswith("stride_") or n in ("sliding_window", "capacity", "max_tokens", "num_blocks", "few_target",
+                                              "min_pt", "long_pt", "P"):
             types[n] = "i32"
     BM = M
     if kernel == "partition":
