@@ -67,3 +67,17 @@ def test_design_references_point_into_the_repository():
         cited |= set(re.findall(r"docs/design\.md §(\d+(?:\.\d+)?)", text))
     assert cited, "no docstring cites docs/design.md any more: drop this test or the file"
     assert cited <= sections, f"cited sections missing from docs/design.md: {sorted(cited - sections)}"
+
+
+def test_readme_paged_attention_example_runs():
+    """The README's tensor-level example runs as written (CPU: the torch reference) and checks its answer."""
+    import subprocess
+    import sys
+
+    text = (ROOT / "README.md").read_text()
+    marker = "<!-- example: pa "
+    assert marker in text
+    block = text.split(marker, 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    proc = subprocess.run([sys.executable, "-c", block], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "max |out - ref| =" in proc.stdout
