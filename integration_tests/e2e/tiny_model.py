@@ -13,6 +13,9 @@ still run every layer's attention).
 
 ``build(path)`` writes config.json + model.safetensors (Llama: hidden 512, 4 layers, 8 query / 2
 KV heads, head_dim 128, vocab 512); prompts are token ids (``skip_tokenizer_init=True``).
+``save_tokenizer(path)`` adds a word-level tokenizer (token id i is the word ``w<i>``, ids 0-2 are
+``<unk>``, ``<s>``, ``</s>``; no BOS added, decoded words joined by spaces) for servers that need
+text: ``as_text(ids)`` / ``from_text(text)`` convert.
 ``copy_rule_agreement(prompt, generated)``: the fraction of generated tokens that equal the token
 COPY_BACK + 1 positions earlier (1.0 when every K/V read was right). ``prompts(n, seed)``: seeded
 token-id prompts. References from HF transformers (``LlamaForCausalLM``, eager attention, bf16, on
@@ -110,6 +113,38 @@ def build(path, seed: int = 0) -> Path:
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
     save_file(weights(seed), str(path / "model.safetensors"))
     return path
+
+
+def _vocab() -> dict:
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, VOCAB)})
+    return vocab
+
+
+def save_tokenizer(path) -> Path:
+    """Write tokenizer.json + tokenizer_config.json (a Hugging Face fast tokenizer) into ``path``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(_vocab(), unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                   model_max_length=131072)
+    fast.save_pretrained(str(path))
+    return Path(path)
+
+
+def as_text(ids) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+def from_text(text: str) -> list:
+    """Token ids of ``as_text``-style text (``ValueError`` on a word outside the vocabulary)."""
+    vocab = _vocab()
+    unknown = [w for w in text.split() if w not in vocab]
+    if unknown:
+        raise ValueError(f"not words of the tiny model's vocabulary: {unknown[:5]}")
+    return [vocab[w] for w in text.split()]
 
 
 def copy_rule_agreement(prompt, generated) -> float:

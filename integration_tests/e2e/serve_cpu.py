@@ -1,0 +1,56 @@
+"""``vllm serve`` on a CPU machine without vLLM's compiled CPU extension (issue 16).
+
+    VLLM_TARGET_DEVICE=cpu python -m integration_tests.e2e.serve_cpu MODEL_DIR \\
+        --attention-backend FLYDSL --kv-cache-dtype fp8 --block-size 16 --port 8000 ...
+
+Everything after the module name is ``vllm serve``'s own command line; the server runs in this
+process through vLLM's CLI entry point (``vllm.entrypoints.cli.main``), as the ``vllm`` script
+would run it.
+
+vLLM's OpenAI server always runs the engine core in a separate process, and the CPU platform
+starts it with ``spawn``. A spawned child imports the parent's main module under the name
+``__mp_main__`` before it unpickles its arguments, so this module's top level is where the child
+gets what ``vllm_cpu.prepare()`` supplies (the CPU-extension stand-ins, the platform honouring the
+named backend) and the installed ``vllm.general_plugins`` (the ``FLYDSL`` member must exist before
+the engine config that names it is unpickled). Nothing happens on a plain ``import`` of this module.
+
+The ``flydsl_backends`` loggers print to stderr at INFO in both processes, so the server log shows
+the plugin registering and which implementation the paged-attention calls chose.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def _prepare_process() -> None:
+    import logging
+
+    log = logging.getLogger("flydsl_backends")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("(%(processName)s) %(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+    from integration_tests.e2e import vllm_cpu
+
+    vllm_cpu.prepare()
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()
+
+
+def main(argv=None) -> None:
+    _prepare_process()
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv = ["vllm", "serve", *(sys.argv[1:] if argv is None else argv)]
+    vllm_main()
+
+
+if __name__ == "__mp_main__":  # the spawned engine-core process
+    _prepare_process()
+
+if __name__ == "__main__":
+    main()

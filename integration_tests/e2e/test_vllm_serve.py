@@ -1,0 +1,173 @@
+"""``vllm serve`` (vLLM 0.33's OpenAI API server) with ``--attention-backend FLYDSL`` and an FP8 KV
+cache, on CPU (issue 16 item 1).
+
+The server runs as a subprocess (``python -m integration_tests.e2e.serve_cpu``: ``vllm serve``'s
+own command line, plus the CPU-extension stand-ins in the API-server and spawned engine-core
+processes) for the run-time model of ``tiny_model`` with its word-level tokenizer. One
+``/v1/completions`` request (two prompts, greedy) goes through the HTTP front end, the tokenizer,
+the engine core and back; the answer must follow the model's copy rule and equal HF transformers'
+greedy tokens, and the server log must show the FLYDSL backend's paged-attention path running in
+the engine core. SIGTERM then has to shut the server down with exit status 0.
+
+About 55 s on 2 cores (the server starts in ~30 s). ``FLYDSL_E2E_SKIP_SERVE=1`` skips it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+for _mod in ("uvicorn", "fastapi", "model_hosting_container_standards", "prometheus_fastapi_instrumentator"):
+    pytest.importorskip(_mod, reason=f"{_mod} missing: build the venv with integration_tests/setup-cpu-env.sh vllm DIR")
+
+from integration_tests.e2e import tiny_model as tm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+NEW_TOKENS = 12
+START_TIMEOUT_S = 240
+STOP_TIMEOUT_S = 60
+
+pytestmark = pytest.mark.skipif(os.environ.get("FLYDSL_E2E_SKIP_SERVE") == "1",
+                                reason="FLYDSL_E2E_SKIP_SERVE=1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url, timeout=5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.read()
+
+
+def _post(url, body, timeout=120.0):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class Server:
+    def __init__(self, model_dir: Path, log_path: Path):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.model = str(model_dir)
+        self.log_path = log_path
+        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        cmd = [sys.executable, "-m", "integration_tests.e2e.serve_cpu", self.model,
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--attention-backend", "FLYDSL", "--kv-cache-dtype", "fp8", "--block-size", "16",
+               "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "8",
+               "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", "-cc", '{"custom_ops": ["none"]}']
+        self.log = open(log_path, "wb")
+        # its own session: teardown signals the whole group (API server + engine core)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def log_text(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self):
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode} before it was ready:\n"
+                            f"{self.log_text()[-6000:]}")
+            try:
+                if _get(self.base + "/health")[0] == 200:
+                    return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        pytest.fail(f"server not ready after {START_TIMEOUT_S} s:\n{self.log_text()[-6000:]}")
+
+    def stop(self) -> int:
+        """SIGTERM to the group, then SIGKILL after STOP_TIMEOUT_S; returns the server's exit status
+        (that of the SIGTERM)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+                self.log.close()
+                return -9999
+        try:  # anything left in the group (the engine core) after the server exited
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.log.close()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tm.build(tmp_path_factory.mktemp("tiny_llama_serve"))
+    tm.save_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU server case")
+    srv = Server(model_dir, tmp_path_factory.mktemp("serve_log") / "server.log")
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def test_completions_follow_the_kv_and_match_hf(server, model_dir):
+    models = json.loads(_get(server.base + "/v1/models")[1])
+    assert [m["id"] for m in models["data"]] == [server.model]
+
+    prompts = tm.prompts(2, seed=11, length=(12, 30))
+    out = _post(server.base + "/v1/completions", {
+        "model": server.model, "prompt": [tm.as_text(p) for p in prompts], "max_tokens": NEW_TOKENS,
+        "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+    choices = sorted(out["choices"], key=lambda c: c["index"])
+    assert len(choices) == 2
+    assert out["usage"]["completion_tokens"] == 2 * NEW_TOKENS
+    gen = []
+    for p, c in zip(prompts, choices):
+        assert c["finish_reason"] == "length", c
+        assert c["prompt_token_ids"] == p  # the tokenizer: no BOS, word i -> id i
+        ids = tm.from_text(c["text"])  # the detokenized text says the same as the ids
+        assert ids == c["token_ids"], c
+        assert tm.copy_rule_agreement(p, ids) == 1.0, (p, ids)
+        gen.append(ids)
+    assert gen == tm.hf_greedy(model_dir, prompts, NEW_TOKENS)
+
+    log = server.log_text()
+    assert "flydsl-backends: vLLM plugin registered" in log
+    # the engine core's paged-attention calls went through this project's registry (torch on CPU)
+    assert "(EngineCore) INFO flydsl_backends: pa: backend='auto' chose 'torch'" in log, log[-4000:]
+
+
+def test_sigterm_shuts_down_cleanly(server):
+    status = server.stop()
+    log = server.log_text()
+    assert status == 0, f"exit status {status}:\n{log[-4000:]}"
+    assert "Application shutdown complete" in log
+    with pytest.raises((urllib.error.URLError, OSError)):
+        _get(server.base + "/health", timeout=2.0)
