@@ -4,7 +4,9 @@ need from an op family, as import paths resolved on first use (docs/design.md §
 An op family is one package (``kda_backend``, ``pa_backend``) plus one ``OpFamily`` line in
 ``flydsl_backends.ops.OPS``. The package provides:
 
-* ``REGISTRY`` (``backend_core.registry.OpRegistry``): its implementations;
+* ``REGISTRY`` (``backend_core.registry.OpRegistry``): its implementations; a family of several ops
+  (``pa``: decode, prefill, write) also names ``registries`` (a dict op -> registry, each op with its
+  own coverage);
 * ``verify``: ``run_verify(impls, device, small, progress=None) -> rows``, one dict per (implementation,
   case) with ``impl``, ``case``, ``ok`` and optionally ``out_err``, ``state_err``, ``error``,
   ``skipped``;
@@ -40,9 +42,16 @@ class OpFamily:
     bench_args: Optional[str] = None  # "module:add_bench_args"
     flydsl_sources: Optional[str] = None  # "module:sources"
     flydsl_kernels: Optional[str] = None  # "module" (the compile gate's protocol)
+    registries: Optional[str] = None  # "module:NAME" of a dict op name -> registry (families of several ops)
 
     def registry(self):
         return _resolve(self.package).REGISTRY
+
+    def op_registries(self):
+        """{op name: registry}: one entry per op of the family."""
+        if self.registries:
+            return dict(_resolve(self.registries))
+        return {self.name: self.registry()}
 
     def run_verify(self, impls, device, small: bool, progress=None):
         return _resolve(self.verify)(impls, device, small, progress=progress)

@@ -1,21 +1,26 @@
-"""Choosing an implementation of an op: the one mechanism every op family uses.
+"""Choosing an implementation of an op: the one mechanism every op uses.
 
-Each op family (``kda``, ``pa``, ...) owns one :class:`OpRegistry`. An :class:`Implementation`
-declares
+Each op (``kda_decode``, ``pa_decode``, ``pa_prefill``, ``write_kv``, ...) owns one
+:class:`OpRegistry`, so each op states its own coverage. An :class:`Implementation` declares
 
 * ``available() -> (ok, reason)``: can it run on this machine at all (toolchain installed,
   hardware present)? Memoized: the answer does not change within a process.
 * ``supports(call) -> (ok, reason)``: can it serve this particular call (shapes, dtypes, device)?
-* ``run(call)``: do it.
+* ``run(call)``: do it; optionally ``bind(call) -> run`` makes the choices an implementation has
+  inside it (e.g. which FlyDSL source, AITER or the project's kernel) once for that call's shape.
 
-``select(call, backend="auto")``:
+``select(call, backend="auto")`` returns a :class:`Runner`: the chosen implementation with its
+``run`` bound (callers that keep it, like a plan, make every choice once):
 
 * ``backend="auto"`` walks the family's preference order for the call's device (fastest first)
   and takes the first implementation that is available and supports the call. The environment
   variable of the family (e.g. ``FLYDSL_BACKENDS_KDA=triton``) replaces ``"auto"`` with a name.
   The choice and the reasons the faster ones were passed over are logged once per call site.
 * an explicit name that is unavailable or does not support the call raises ``ValueError``
-  carrying the reason. There is no silent fallback from an explicit choice.
+  carrying the reason. There is no silent fallback from an explicit choice. A name forced through
+  the environment variable that this op lacks but a sibling op of the family has (``also_known``:
+  ``FLYDSL_BACKENDS_PA=flydsl`` for ``pa_prefill``, which has no FlyDSL kernel) means ``auto`` for
+  this op, logged once.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ logger = logging.getLogger("flydsl_backends")
 
 Verdict = Tuple[bool, str]
 
-__all__ = ["Implementation", "OpRegistry", "Verdict"]
+__all__ = ["Implementation", "OpRegistry", "Runner", "Verdict"]
 
 
 @dataclass
@@ -41,6 +46,7 @@ class Implementation:
     supports: Callable[[Any], Verdict]
     run: Callable[[Any], Any]
     description: str = ""
+    bind: Optional[Callable[[Any], Callable[[Any], Any]]] = None  # call -> run with the per-shape choices made
     _available_cache: Optional[Verdict] = field(default=None, repr=False)
 
     def is_available(self) -> Verdict:
@@ -58,14 +64,29 @@ class Implementation:
         return self.supports(call)
 
 
-class OpRegistry:
-    """The implementations of one op family and the rule that picks one."""
+@dataclass(frozen=True)
+class Runner:
+    """An implementation chosen for a call, with its ``run`` bound to that call's shape class."""
 
-    def __init__(self, family: str, env_var: str, preference: Dict[str, Sequence[str]]):
-        """``preference`` maps a device type ("cuda", "cpu") to implementation names, fastest first."""
+    name: str
+    impl: Implementation
+    run: Callable[[Any], Any]
+
+    def __call__(self, call: Any) -> Any:
+        return self.run(call)
+
+
+class OpRegistry:
+    """The implementations of one op and the rule that picks one."""
+
+    def __init__(self, family: str, env_var: str, preference: Dict[str, Sequence[str]],
+                 also_known: Sequence[str] = ()):
+        """``preference`` maps a device type ("cuda", "cpu") to implementation names, fastest first;
+        ``also_known``: names the family's environment variable may force that this op lacks."""
         self.family = family
         self.env_var = env_var
         self.preference = {k: tuple(v) for k, v in preference.items()}
+        self.also_known = tuple(also_known)
         self._impls: Dict[str, Implementation] = {}
         self._logged: set = set()
         self._lock = threading.Lock()
@@ -122,16 +143,26 @@ class OpRegistry:
         if backend == "auto":
             forced = os.environ.get(self.env_var, "").strip()
             if forced and forced != "auto":
+                if forced in self.also_known and forced not in self._impls:
+                    self._log_once(("forced-absent", forced),
+                                   f"{self.env_var}={forced}: {self.family} has no {forced} implementation; "
+                                   "choosing automatically")
+                    return "auto"
                 if forced not in self._impls:
                     raise ValueError(
-                        f"{self.env_var}={forced!r}: expected 'auto' or one of {sorted(self._impls)}"
+                        f"{self.env_var}={forced!r}: expected 'auto' or one of "
+                        f"{sorted(set(self._impls) | set(self.also_known))}"
                     )
                 return forced
         return backend
 
-    def select(self, call: Any, backend: str = "auto", device_type: str = "cpu", site_depth: int = 0) -> Implementation:
-        """Pick the implementation for ``call``. ``site_depth``: frames between the caller of
-        ``select`` and the user's call site (for the once-per-call-site log line)."""
+    def select(self, call: Any, backend: str = "auto", device_type: str = "cpu", site_depth: int = 0) -> Runner:
+        """Pick the implementation for ``call`` and bind its run. ``site_depth``: frames between the
+        caller of ``select`` and the user's call site (for the once-per-call-site log line)."""
+        impl = self._choose(call, backend, device_type, site_depth)
+        return Runner(impl.name, impl, impl.bind(call) if impl.bind is not None else impl.run)
+
+    def _choose(self, call: Any, backend: str, device_type: str, site_depth: int) -> Implementation:
         name = self.requested_backend(backend)
         if name != "auto":
             impl = self.get(name)
@@ -157,9 +188,16 @@ class OpRegistry:
             + "; ".join(skipped)
         )
 
+    def _log_once(self, key, message: str) -> None:
+        with self._lock:
+            if key in self._logged:
+                return
+            self._logged.add(key)
+        logger.info("%s", message)
+
     def _log_choice(self, name: str, skipped: List[str], site_depth: int) -> None:
-        try:  # frames: 0 this, 1 select, 2 select's caller, then site_depth more up to the call site
-            frame = sys._getframe(2 + site_depth)
+        try:  # frames: 0 this, 1 _choose, 2 select, 3 select's caller, then site_depth more up to the call site
+            frame = sys._getframe(3 + site_depth)
             site = (frame.f_code.co_filename, frame.f_lineno)
         except ValueError:
             site = ("?", 0)

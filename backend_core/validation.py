@@ -17,6 +17,7 @@ INT32_MAX = 2**31 - 1
 
 __all__ = [
     "INT32_MAX",
+    "signature_of",
     "require_tensor",
     "checked_tensor",
     "require_dtype",
@@ -239,3 +240,9 @@ def require_disjoint(written: Sequence[Tuple[str, Optional[torch.Tensor]]],
 
 def shape_str(shape: Tuple[int, ...]) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def signature_of(*tensors) -> tuple:
+    """A hashable key of tensors' shapes, dtypes, strides and devices (None stays None): what a
+    memo of per-call-shape decisions (coverage, a chosen implementation) is keyed on."""
+    return tuple(None if t is None else (tuple(t.shape), t.dtype, tuple(t.stride()), t.device) for t in tensors)

@@ -14,7 +14,8 @@ OPS: Tuple[OpFamily, ...] = (
              bench_args="kda_backend.benchmark:add_bench_args", flydsl_sources="kda_backend.flydsl:sources",
              flydsl_kernels="kda_backend.flydsl.shipped"),
     OpFamily("pa", "pa_backend", verify="pa_backend.verify:run_verify", bench="pa_backend.benchmark:bench_cli",
-             bench_args="pa_backend.benchmark:add_bench_args", flydsl_sources="pa_backend.flydsl:sources"),
+             bench_args="pa_backend.benchmark:add_bench_args", flydsl_sources="pa_backend.flydsl:sources",
+             registries="pa_backend.api:REGISTRIES"),
 )
 
 

@@ -45,7 +45,7 @@ REGISTRY.register(Implementation("torch", lambda: (True, "always (reference, FP3
 REGISTRY.register(Implementation("triton", _triton.available, _triton.supports, _triton.run,
                                  "one Triton launch per step (NVIDIA, AMD; CPU via TRITON_INTERPRET=1)"))
 REGISTRY.register(Implementation("flydsl", _flydsl.available, _flydsl.supports, _flydsl.run,
-                                 "FlyDSL kernel (AMD gfx950/gfx942)"))
+                                 "FlyDSL kernel (AMD gfx950/gfx942)", bind=_flydsl.bind))
 
 
 def _dispatch(p: KDAProblem, backend: str) -> torch.Tensor:

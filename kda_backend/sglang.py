@@ -57,6 +57,7 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from backend_core import names
+from backend_core.validation import signature_of
 
 from .api import kda_decode, kda_decode_with_f_b
 
@@ -208,13 +209,12 @@ def _k3_serves(device=None) -> bool:
     return not getattr(_tls, "fallback", False) and user_selected_flydsl() and _k3_platform_ok(device)
 
 
-def _sig(*tensors) -> tuple:
-    return tuple(None if t is None else (tuple(t.shape), t.dtype, tuple(t.stride()), t.device) for t in tensors)
 
 
-def _ours_covers(key, build) -> bool:
-    """Memoized: does ``kda_backend`` (``backend="auto"``) accept this call? ``build()`` returns the
-    ``prepare`` keyword arguments (placeholders where the caller lacks the static weights)."""
+def _ours_covers(key, build):
+    """Memoized: ``(runner, "")`` when ``kda_backend`` (``backend="auto"``) accepts this call (the
+    registry's bound runner: truthy), else ``(None, why not)``. ``build()`` returns the ``prepare``
+    keyword arguments (placeholders where the caller lacks the static weights)."""
     hit = _k3_cover_cache.get(key)
     if hit is not None:
         _k3_cover_cache.move_to_end(key)
@@ -224,10 +224,9 @@ def _ours_covers(key, build) -> bool:
 
         try:
             p = prepare(**build())
-            REGISTRY.select(p, "auto", device_type=p.device.type)
-            hit = (True, "")
+            hit = (REGISTRY.select(p, "auto", device_type=p.device.type), "")
         except (ValueError, TypeError) as exc:
-            hit = (False, str(exc))
+            hit = (None, str(exc))
         _k3_cover_cache[key] = hit
         if len(_k3_cover_cache) > _K3_COVER_CACHE_SIZE:
             _k3_cover_cache.popitem(last=False)
@@ -245,8 +244,8 @@ def _k3_covers(f_a, f_b_weight, mixed_qkv, raw_beta, conv_state, state, state_in
                     state_indices=state_indices, output_gate=output_gate, norm_weight=norm_weight, lower_bound=-5.0,
                     f_a=f_a, f_b_weight=f_b_weight, with_f_b=True)
 
-    return _ours_covers(("k3_hip",) + _sig(f_a, f_b_weight, mixed_qkv, raw_beta, conv_state, state, state_indices,
-                                          output_gate, norm_weight), build)
+    return _ours_covers(("k3_hip",) + signature_of(f_a, f_b_weight, mixed_qkv, raw_beta, conv_state, state,
+                                                   state_indices, output_gate, norm_weight), build)
 
 
 def _in_fallback(fn, *args, **kwargs):
@@ -346,11 +345,11 @@ def k3_cuda_fused_decode_around(original, mixed_qkv, a, b, conv_states, w_q_t, w
                   A_log=A32, dt_bias=dt32, state=ssm_states, state_indices=cache_indices,
                   output_gate=gate, norm_weight=onorm_weight, conv_bias=conv_bias, lower_bound=lower_bound,
                   norm_eps=float(onorm_eps), scale=float(scale))
-        ok, why = _ours_covers(("k3_cuda", lower_bound is None) + _sig(*args), lambda: kw)
-        if ok:
+        runner, why = _ours_covers(("k3_cuda", lower_bound is None) + signature_of(*args), lambda: kw)
+        if runner is not None:
             _log_once("k3_cuda", logging.INFO, "Kimi-K3 fused KDA decode (CUDA path): flydsl-backends kda_decode "
                       "(SGLang's 'K3 fused KDA decode engaged' notice refers to the step, not its kernel)")
-            out = kda_decode(**kw)  # the keys are kda_decode's parameter names
+            out = kda_decode(**kw, backend=runner.name)  # the keys are kda_decode's parameter names
             return out.view(1, B, H, V)
         _log_once("k3_cuda_fallback", logging.INFO, "Kimi-K3 fused decode (CUDA path): flydsl-backends does not cover "
                   "this call (%s); SGLang's kernel runs", why)

@@ -82,6 +82,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from backend_core.buffers import DeviceBuffers
+from backend_core.validation import signature_of
 
 __all__ = ["register_layer_hooks", "flydsl_kda_enabled", "CONFIG_KEY", "KIMI_LINEAR_LAYER", "KIMI_K3_LAYER",
            "kimi_linear_layer_class", "kimi_k3_layer_class", "decode_on_flydsl", "map_state_indices"]
@@ -161,13 +162,13 @@ def map_state_indices(indices: torch.Tensor, num_rows: int, hint: int = 0) -> to
 
 # --- the decode step -------------------------------------------------------------------------------
 
-def _sig(*tensors) -> tuple:
-    return tuple(None if t is None else (tuple(t.shape), t.dtype, tuple(t.stride()), t.device) for t in tensors)
 
 
-def _covers(kw: dict, backend: str) -> Tuple[bool, str]:
-    """Memoized: does our op (``backend``) accept this call? Uses the op's own validation."""
-    key = (backend, kw["lower_bound"] is None, float(kw["norm_eps"])) + _sig(
+def _covers(kw: dict, backend: str):
+    """Memoized per call signature: ``(runner, "")`` when our op (``backend``) accepts this call — the
+    registry's bound runner, so the implementation (and its FlyDSL source) is chosen once per
+    signature — or ``(None, why not)``. Uses the op's own validation."""
+    key = (backend, kw["lower_bound"] is None, float(kw["norm_eps"])) + signature_of(
         *(kw[k] for k in ("x", "conv_weight", "conv_bias", "conv_state", "a", "b", "A_log", "dt_bias", "state",
                           "state_indices", "output_gate", "norm_weight", "out")))
     hit = _cover_cache.get(key)
@@ -177,10 +178,9 @@ def _covers(kw: dict, backend: str) -> Tuple[bool, str]:
 
         try:
             p = prepare(**kw)
-            REGISTRY.select(p, backend, device_type=p.device.type)
-            hit = (True, "")
+            hit = (REGISTRY.select(p, backend, device_type=p.device.type), "")
         except (ValueError, TypeError) as exc:
-            hit = (False, str(exc))
+            hit = (None, str(exc))
         if len(_cover_cache) > 4096:
             _cover_cache.clear()
         _cover_cache[key] = hit
@@ -243,12 +243,12 @@ def decode_on_flydsl(layer, mixed_qkv, g1, g2, beta, core_attn_out, backend: str
         norm_weight=layer.o_norm.weight, lower_bound=layer.gate_lower_bound, norm_eps=float(layer.o_norm.eps),
         scale=None, out=core_attn_out[0, :T],
     )
-    ok, why = _covers(kw, backend)
-    if not ok:
+    runner, why = _covers(kw, backend)
+    if runner is None:
         return f"flydsl-backends does not cover this call ({why})"
     from .api import kda_decode
 
-    kda_decode(**kw, backend=backend)
+    kda_decode(**kw, backend=runner.name)  # the implementation the memo chose for this call signature
     if T < int(core_attn_out.shape[1]):
         core_attn_out[:, T:].zero_()
     return None

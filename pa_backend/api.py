@@ -20,7 +20,8 @@ from . import triton as _triton
 from .contract import WriteProblem, prepare_attention, prepare_write
 from .reference import run_attention, run_write
 
-__all__ = ["pa_decode", "write_kv", "pa_prefill", "is_pa_decode_supported", "REGISTRY"]
+__all__ = ["pa_decode", "write_kv", "pa_prefill", "is_pa_decode_supported", "REGISTRY", "REGISTRIES", "DECODE",
+           "PREFILL", "WRITE", "registry_for"]
 
 
 def _run_torch(p):
@@ -29,21 +30,43 @@ def _run_torch(p):
     return run_attention(p)
 
 
-REGISTRY = OpRegistry(
-    "pa",
-    env_var="FLYDSL_BACKENDS_PA",
-    preference={"cuda": ("flydsl", "triton", "torch"), "cpu": ("torch", "triton")},
-)
-REGISTRY.register(Implementation("torch", lambda: (True, "always (reference: gather, dequantize, FP32 softmax)"),
-                                 lambda p: (True, "ok"), _run_torch, "reference"))
-REGISTRY.register(Implementation("triton", _triton.available, _triton.supports, _triton.run,
-                                 "Triton kernels (decode/prefill split-K + reduce, write_kv)"))
-REGISTRY.register(Implementation("flydsl", _flydsl.available, _flydsl.supports, _flydsl.run,
-                                 "AITER's FlyDSL paged decode (AMD gfx950/gfx942), discovered at run time"))
+_TORCH = Implementation("torch", lambda: (True, "always (reference: gather, dequantize, FP32 softmax)"),
+                        lambda p: (True, "ok"), _run_torch, "reference")
+_TRITON = Implementation("triton", _triton.available, _triton.supports, _triton.run,
+                         "Triton kernels (split-K partitions + reduce; write_kv)")
+_FLYDSL = Implementation("flydsl", _flydsl.available, _flydsl.supports, _flydsl.run,
+                         "AITER's FlyDSL paged decode (AMD gfx950/gfx942), discovered at run time", bind=_flydsl.bind)
+
+
+def _registry(op: str, impls) -> OpRegistry:
+    """One registry per op, each with its own coverage; one variable (FLYDSL_BACKENDS_PA) forces all
+    three, and a name one op lacks (flydsl for prefill and write) means auto for that op."""
+    names = [i.name for i in impls]
+    reg = OpRegistry(op, env_var="FLYDSL_BACKENDS_PA",
+                     preference={"cuda": tuple(n for n in ("flydsl", "triton", "torch") if n in names),
+                                 "cpu": tuple(n for n in ("torch", "triton") if n in names)},
+                     also_known=("torch", "triton", "flydsl"))
+    for impl in impls:
+        reg.register(impl)
+    return reg
+
+
+DECODE = _registry("pa_decode", (_TORCH, _TRITON, _FLYDSL))
+PREFILL = _registry("pa_prefill", (_TORCH, _TRITON))  # no FlyDSL prefill kernel (Triton serves it on AMD)
+WRITE = _registry("write_kv", (_TORCH, _TRITON))  # no FlyDSL write kernel
+REGISTRIES = {"pa_decode": DECODE, "pa_prefill": PREFILL, "write_kv": WRITE}
+REGISTRY = DECODE  # the decode op's registry (``pa_backend.REGISTRY``)
+
+
+def registry_for(p) -> OpRegistry:
+    """The registry of the op a checked problem belongs to."""
+    if isinstance(p, WriteProblem):
+        return WRITE
+    return DECODE if p.is_decode else PREFILL
 
 
 def _dispatch(p, backend: str):
-    return REGISTRY.select(p, backend, device_type=p.device.type, site_depth=2).run(p)
+    return registry_for(p).select(p, backend, device_type=p.device.type, site_depth=2).run(p)
 
 
 def pa_decode(query, key_cache, value_cache, block_tables, context_lengths, key_scale, value_scale, *,
@@ -113,4 +136,4 @@ def is_pa_decode_supported(device=None, backend: str = "flydsl") -> bool:
     """Whether ``backend`` can run ``pa_decode`` on ``device`` (None: the current device). For
     ``flydsl``: flydsl and AITER's FlyDSL paged decode installed, and the device an AMD GPU whose
     arch (gcnArchName) is FlyDSL's build target. Shapes are checked per call."""
-    return REGISTRY.supported_on(backend, device)
+    return DECODE.supported_on(backend, device)

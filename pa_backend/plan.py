@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .api import REGISTRY
+from .api import registry_for
 from .contract import PABatch, check_batch, check_layer
 
 __all__ = ["PAPlan", "plan_decode", "plan_prefill"]
@@ -74,7 +74,7 @@ class PAPlan:
                num_partitions, backend)
         impl = self._impls.get(sig)
         if impl is None:
-            impl = self._impls[sig] = REGISTRY.select(p, backend or self.backend, device_type=p.device.type,
+            impl = self._impls[sig] = registry_for(p).select(p, backend or self.backend, device_type=p.device.type,
                                                       site_depth=1)
         return impl.run(p)
 

@@ -19,7 +19,7 @@ from backend_core import flydsl_source, platform
 
 from . import aiter as _aiter
 
-__all__ = ["available", "supports", "run", "source_for", "sources"]
+__all__ = ["available", "supports", "bind", "run", "source_for", "sources"]
 
 
 def available() -> Tuple[bool, str]:
@@ -50,13 +50,19 @@ def supports(p) -> Tuple[bool, str]:
     return flydsl_source.verdict_of(lambda: source_for(p))
 
 
-def run(p):
+def bind(p):
+    """The run function of the source serving ``p`` (chosen once: a plan or an adapter that keeps
+    the registry's runner does not ask again)."""
     src, _ = source_for(p)
     if src == "aiter":
-        return _aiter.run(p)
+        return _aiter.run
     from . import kernel
 
-    return kernel.launch(p)
+    return kernel.launch
+
+
+def run(p):
+    return bind(p)(p)
 
 
 def sources() -> List[Tuple[str, bool, str]]:

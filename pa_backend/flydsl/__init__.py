@@ -16,7 +16,7 @@ from backend_core import flydsl_source, platform
 
 from . import aiter as _aiter
 
-__all__ = ["available", "supports", "run", "source_for", "sources"]
+__all__ = ["available", "supports", "bind", "run", "source_for", "sources"]
 
 OWN_REASON = "the project ships no FlyDSL paged-attention kernel of its own yet (AITER's is the FlyDSL source)"
 
@@ -40,9 +40,14 @@ def supports(p) -> Tuple[bool, str]:
     return flydsl_source.verdict_of(lambda: source_for(p))
 
 
-def run(p):
+def bind(p):
+    """The run function of the source serving ``p`` (AITER's: chosen once per runner)."""
     source_for(p)
-    return _aiter.run(p)
+    return _aiter.run
+
+
+def run(p):
+    return bind(p)(p)
 
 
 def sources() -> List[Tuple[str, bool, str]]:

@@ -118,6 +118,39 @@ def test_fp8_dtype_per_arch(monkeypatch):
 
 def test_flydsl_without_amd_gpu_says_why():
     case = make_pa_case([5], seed=6)
-    with pytest.raises(ValueError, match="backend='flydsl' cannot serve this pa call: not available: "
+    with pytest.raises(ValueError, match="backend='flydsl' cannot serve this pa_decode call: not available: "
                                          "(flydsl is not installed|no AMD GPU visible)"):
         case.call("flydsl")
+
+
+def test_each_op_has_its_own_registry_and_coverage(monkeypatch):
+    """Decode, prefill and write are separate ops: flydsl serves decode only, so it is not an
+    implementation of the other two; forcing it through FLYDSL_BACKENDS_PA means auto for them,
+    an explicit backend="flydsl" for them is an error naming the op."""
+    from pa_backend import api
+
+    assert api.DECODE.names() == ["torch", "triton", "flydsl"]
+    assert api.PREFILL.names() == api.WRITE.names() == ["torch", "triton"]
+    case = make_pa_case([10, 12], query_lengths=[3, 4], device=torch.device("cpu"), seed=3)
+    monkeypatch.setenv("FLYDSL_BACKENDS_PA", "flydsl")
+    out = case.call("torch").clone()
+    assert torch.equal(case.call("auto"), out)  # prefill: flydsl absent -> auto -> torch on CPU
+    with pytest.raises(ValueError, match="'flydsl' is not an implementation of pa_prefill"):
+        case.call("flydsl")
+    monkeypatch.setenv("FLYDSL_BACKENDS_PA", "tritn")
+    with pytest.raises(ValueError, match="FLYDSL_BACKENDS_PA='tritn': expected 'auto' or one of"):
+        case.call("auto")
+
+
+def test_select_returns_a_runner_bound_once():
+    """``select`` returns the chosen implementation with its run bound: a plan keeps it, so each
+    choice (the FlyDSL source among them) is made once per layer shape."""
+    from backend_core.registry import Runner
+    from pa_backend import api
+    from pa_backend.contract import prepare_attention
+
+    case = make_pa_case([10, 12], device=torch.device("cpu"), seed=4)
+    kw = dict(case.kwargs)
+    p = prepare_attention(**kw, prefill=False)
+    r = api.registry_for(p).select(p, "auto", device_type="cpu")
+    assert isinstance(r, Runner) and r.name == "torch" and r.run is r.impl.run
