@@ -52,8 +52,8 @@ def _env_int_renamed(name: str, old: str, default: Optional[int]) -> Optional[in
     return _env_int(name, default)
 
 
-# Read once at import: a malformed value fails loudly here, not inside a decode step. The names
-# before 0.1.1 (KDA_DECODE_SLOT_CHECK, KDA_DECODE_SLOT_CHECK_PADDING_SLOT) still work, with a warning.
+# Read once at import: a malformed value fails loudly here, not inside a decode step. The old names
+# (KDA_DECODE_SLOT_CHECK, KDA_DECODE_SLOT_CHECK_PADDING_SLOT) still work, with a warning.
 SLOT_CHECK_ENV = "FLYDSL_BACKENDS_KDA_SLOT_CHECK"
 SLOT_CHECK_PADDING_ENV = "FLYDSL_BACKENDS_KDA_SLOT_CHECK_PADDING_SLOT"
 SLOT_CHECK: bool = bool(_env_int_renamed(SLOT_CHECK_ENV, "KDA_DECODE_SLOT_CHECK", 0))
