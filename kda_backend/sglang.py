@@ -209,12 +209,10 @@ def _k3_serves(device=None) -> bool:
     return not getattr(_tls, "fallback", False) and user_selected_flydsl() and _k3_platform_ok(device)
 
 
-
-
 def _ours_covers(key, build):
-    """Memoized: ``(runner, "")`` when ``kda_backend`` (``backend="auto"``) accepts this call (the
-    registry's bound runner: truthy), else ``(None, why not)``. ``build()`` returns the ``prepare``
-    keyword arguments (placeholders where the caller lacks the static weights)."""
+    """Memoized: ``(name, "")`` of the implementation ``kda_backend`` (``backend="auto"``) picks for
+    this call (a non-empty name: truthy), else ``(None, why not)``. ``build()`` returns the
+    ``prepare`` keyword arguments (placeholders where the caller lacks the static weights)."""
     hit = _k3_cover_cache.get(key)
     if hit is not None:
         _k3_cover_cache.move_to_end(key)
@@ -224,7 +222,7 @@ def _ours_covers(key, build):
 
         try:
             p = prepare(**build())
-            hit = (REGISTRY.select(p, "auto", device_type=p.device.type), "")
+            hit = (REGISTRY.select(p, "auto", device_type=p.device.type).name, "")
         except (ValueError, TypeError) as exc:
             hit = (None, str(exc))
         _k3_cover_cache[key] = hit
@@ -345,11 +343,11 @@ def k3_cuda_fused_decode_around(original, mixed_qkv, a, b, conv_states, w_q_t, w
                   A_log=A32, dt_bias=dt32, state=ssm_states, state_indices=cache_indices,
                   output_gate=gate, norm_weight=onorm_weight, conv_bias=conv_bias, lower_bound=lower_bound,
                   norm_eps=float(onorm_eps), scale=float(scale))
-        runner, why = _ours_covers(("k3_cuda", lower_bound is None) + signature_of(*args), lambda: kw)
-        if runner is not None:
+        name, why = _ours_covers(("k3_cuda", lower_bound is None) + signature_of(*args), lambda: kw)
+        if name is not None:
             _log_once("k3_cuda", logging.INFO, "Kimi-K3 fused KDA decode (CUDA path): flydsl-backends kda_decode "
                       "(SGLang's 'K3 fused KDA decode engaged' notice refers to the step, not its kernel)")
-            out = kda_decode(**kw, backend=runner.name)  # the keys are kda_decode's parameter names
+            out = kda_decode(**kw, backend=name)  # the keys are kda_decode's parameter names
             return out.view(1, B, H, V)
         _log_once("k3_cuda_fallback", logging.INFO, "Kimi-K3 fused decode (CUDA path): flydsl-backends does not cover "
                   "this call (%s); SGLang's kernel runs", why)

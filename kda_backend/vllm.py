@@ -162,12 +162,10 @@ def map_state_indices(indices: torch.Tensor, num_rows: int, hint: int = 0) -> to
 
 # --- the decode step -------------------------------------------------------------------------------
 
-
-
-def _covers(kw: dict, backend: str):
-    """Memoized per call signature: ``(runner, "")`` when our op (``backend``) accepts this call — the
-    registry's bound runner, so the implementation (and its FlyDSL source) is chosen once per
-    signature — or ``(None, why not)``. Uses the op's own validation."""
+def _covers(kw: dict, backend: str) -> Tuple[Optional[str], str]:
+    """Memoized per call signature: ``(name, "")`` of the implementation our op (``backend``) picks
+    for this call — later calls name it, so ``auto`` walks the preference list once per signature —
+    or ``(None, why not)``. Uses the op's own validation."""
     key = (backend, kw["lower_bound"] is None, float(kw["norm_eps"])) + signature_of(
         *(kw[k] for k in ("x", "conv_weight", "conv_bias", "conv_state", "a", "b", "A_log", "dt_bias", "state",
                           "state_indices", "output_gate", "norm_weight", "out")))
@@ -178,7 +176,7 @@ def _covers(kw: dict, backend: str):
 
         try:
             p = prepare(**kw)
-            hit = (REGISTRY.select(p, backend, device_type=p.device.type), "")
+            hit = (REGISTRY.select(p, backend, device_type=p.device.type).name, "")
         except (ValueError, TypeError) as exc:
             hit = (None, str(exc))
         if len(_cover_cache) > 4096:
@@ -243,12 +241,12 @@ def decode_on_flydsl(layer, mixed_qkv, g1, g2, beta, core_attn_out, backend: str
         norm_weight=layer.o_norm.weight, lower_bound=layer.gate_lower_bound, norm_eps=float(layer.o_norm.eps),
         scale=None, out=core_attn_out[0, :T],
     )
-    runner, why = _covers(kw, backend)
-    if runner is None:
+    name, why = _covers(kw, backend)
+    if name is None:
         return f"flydsl-backends does not cover this call ({why})"
     from .api import kda_decode
 
-    kda_decode(**kw, backend=runner.name)  # the implementation the memo chose for this call signature
+    kda_decode(**kw, backend=name)  # the implementation the memo chose for this call signature
     if T < int(core_attn_out.shape[1]):
         core_attn_out[:, T:].zero_()
     return None

@@ -86,8 +86,8 @@ def pa_decode(query, key_cache, value_cache, block_tables, context_lengths, key_
     * ``block_tables`` [num_seqs, max_blocks] int32; ``context_lengths`` [num_seqs] int32 (the new
       tokens included; <= max_blocks * block_size). Table entries past a sequence's extent are never
       read; an id outside [0, num_blocks) inside it is a corrupted table (the reference raises
-      ValueError, the Triton kernels read block 0 instead: no load leaves the caches). Row i of a sequence attends tokens 0 .. context_length - query_length + i (causal among
-      the new tokens), only the last ``sliding_window`` of them when > 0; a row with no token to
+      ValueError, the Triton kernels read block 0 instead: no load leaves the caches). Row i of a
+      sequence attends tokens 0 .. context_length - query_length + i (causal among the new tokens), only the last ``sliding_window`` of them when > 0; a row with no token to
       attend (e.g. a padded sequence with context 0) gets zeros.
     * ``sinks`` [Hq] fp32: adds exp(sinks[h]) to head h's softmax denominator.
     * ``softmax_scale`` defaults to D**-0.5. ``num_partitions`` (split-K) is a kernel hint; None
