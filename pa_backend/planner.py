@@ -24,16 +24,22 @@ import torch
 
 from backend_core.buffers import DeviceBuffers
 
-__all__ = ["Split", "plan_partitions", "work_rows", "workspace", "reserve", "workspace_bytes"]
+__all__ = ["Split", "plan_partitions", "work_rows", "one_warp_rows", "row_split", "workspace", "reserve",
+           "workspace_bytes"]
 
 
 # Programs per SM the split-K aims for, and the partition lengths it prefers. Partitions shorter
-# than LONG_PARTITION_TOKENS are made only while there are fewer than FEW_PROGRAMS_PER_SM programs
-# per SM, and none is shorter than MIN_PARTITION_TOKENS. H200 (benchmarks/pa_probe/
-# variants_H200_2026-12-03.txt): 16 programs/SM beat 8 by 11% at B=200/32k and 25% at B=200/200k
-# (more waves, smaller tail), while at B=81/8k 512-token partitions lost 7% to 1024-token ones.
+# than LONG_PARTITION_TOKENS are made only while there are fewer than ``few_per_sm`` programs per
+# SM, and none is shorter than MIN_PARTITION_TOKENS. The two targets follow the kernel's program
+# size (an implementation passes its own, e.g. pa_backend.triton.split_policy); these defaults are
+# the 4-warp Triton program's. H200 (benchmarks/pa_probe/variants_H200_2026-12-03.txt): 16
+# programs/SM beat 8 by 11% at B=200/32k and 25% at B=200/200k (more waves, smaller tail), while at
+# B=81/8k 512-token partitions lost 7% to 1024-token ones.
 PROGRAMS_PER_SM = 16
 FEW_PROGRAMS_PER_SM = 4
+# the largest targets any implementation uses: ``reserve`` sizes the workspace with them
+MAX_PROGRAMS_PER_SM = 32
+MAX_FEW_PROGRAMS_PER_SM = 16
 MIN_PARTITION_TOKENS = 256
 LONG_PARTITION_TOKENS = 1024
 MAX_PARTITIONS = 256
@@ -53,15 +59,16 @@ class Split:
 
 @functools.lru_cache(maxsize=1024)
 def plan_partitions(num_items: int, Hkv: int, max_tokens: int, sms: int, requested: int = 0,
-                    programs_per_sm: int = PROGRAMS_PER_SM) -> Split:
+                    programs_per_sm: int = PROGRAMS_PER_SM, few_per_sm: int = FEW_PROGRAMS_PER_SM) -> Split:
     """The split of ``num_items`` sequences (or prefill chunks) of at most ``max_tokens`` visible
     tokens over ``sms`` SMs. ``requested`` (the caller's num_partitions hint) asks for that many
-    partitions per sequence wherever its context has enough tiles."""
+    partitions per sequence wherever its context has enough tiles. P never decreases when
+    ``programs_per_sm`` or ``few_per_sm`` grows (``reserve`` relies on it)."""
     work = max(num_items * Hkv, 1)
     sms = max(sms, 1)
     if requested:
         return Split(max(1, min(requested, MAX_PARTITIONS)), requested, 1, 1)
-    few = -(-FEW_PROGRAMS_PER_SM * sms // work)
+    few = -(-few_per_sm * sms // work)
     target = -(-programs_per_sm * sms // work)
     target = min(target, max(-(-max_tokens // LONG_PARTITION_TOKENS), few))
     target = min(target, -(-max_tokens // MIN_PARTITION_TOKENS), MAX_PARTITIONS)
@@ -72,6 +79,18 @@ def work_rows(G: int, QL: int) -> int:
     """BM: the M dimension of one program's dots (GQA group x query rows, padded to a power of
     two >= 16 for the tensor cores)."""
     return max(16, 1 << (G * QL - 1).bit_length())
+
+
+def one_warp_rows(D: int, BM: int, block_size: int) -> bool:
+    """Whether a program of BM rows runs as one warp (the Triton decode tiling; H200 figures in
+    pa_backend.triton.decode_tiling): M = 16 at D <= 128 with pages under 64 tokens."""
+    return D <= 128 and BM == 16 and block_size < 64
+
+
+def row_split(G: int, query_length: int, D: int, block_size: int) -> bool:
+    """Whether a decode with ``query_length`` rows per sequence runs each row as its own work item:
+    when the rows of a sequence would make M > 16 but one row fits the one-warp program."""
+    return query_length > 1 and work_rows(G, query_length) > 16 and one_warp_rows(D, work_rows(G, 1), block_size)
 
 
 def _floats(items: int, Hkv: int, P: int, BM: int, D: int) -> int:
@@ -100,7 +119,8 @@ def reserve(max_num_seqs: int, Hq: int, Hkv: int, D: int, max_context: int, bloc
             query_length: int = 1, device="cuda", sms: int = 0) -> int:
     """Size the workspace for ``pa_decode`` batches of up to ``max_num_seqs`` sequences whose block
     tables hold ``max_context`` tokens (call before CUDA-graph capture). Smaller batches and
-    narrower tables fit in it. Returns the workspace size in bytes."""
+    narrower tables fit in it, whatever split targets the implementation uses (sized with the
+    largest, MAX_PROGRAMS_PER_SM / MAX_FEW_PROGRAMS_PER_SM). Returns the workspace size in bytes."""
     from backend_core import platform
 
     for name, v in (("max_num_seqs", max_num_seqs), ("Hq", Hq), ("Hkv", Hkv), ("D", D), ("max_context", max_context),
@@ -111,9 +131,15 @@ def reserve(max_num_seqs: int, Hq: int, Hkv: int, D: int, max_context: int, bloc
         raise ValueError(f"Hq: expected a multiple of Hkv={Hkv}, got {Hq}")
     device = torch.device(device)
     sms = sms or platform.sm_count(device)
-    BM = work_rows(Hq // Hkv, query_length)
+    G = Hq // Hkv
+    rows = query_length if row_split(G, query_length, D, block_size) else 1  # work items per sequence
+    BM = work_rows(G, query_length // rows)
+
+    def floats(b: int) -> int:
+        P = plan_partitions(b * rows, Hkv, max_context, sms, 0, MAX_PROGRAMS_PER_SM, MAX_FEW_PROGRAMS_PER_SM).P
+        return _floats(b * rows, Hkv, P, BM, D)
+
     # the largest request over batch sizes: fewer sequences get more partitions each
-    need = max(_floats(b, Hkv, plan_partitions(b, Hkv, max_context, sms).P, BM, D)
-               for b in range(1, max_num_seqs + 1))
+    need = max(floats(b) for b in range(1, max_num_seqs + 1))
     _WS.get(device, (need,))
     return workspace_bytes(device)

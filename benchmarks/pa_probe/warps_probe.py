@@ -3,7 +3,7 @@ planner's programs per SM, each setting checked against the float64 reference be
 Question: do one- or two-warp programs (no cross-warp reductions or barriers per tile, 11-12
 programs per SM by registers) keep more bytes in flight than the shipped 4-warp BT 32 program?
 Run on the GPU machine from the repo root: python3 benchmarks/pa_probe/warps_probe.py [max_seconds]
-(PROBE_SETTINGS="pps/warps/stages/bt;..." overrides the list; PROBE_CONFIGS indexes DEFAULT_CONFIGS)."""
+(PROBE_SETTINGS="pps/warps/stages/bt[/few];..." overrides the list; PROBE_CONFIGS indexes DEFAULT_CONFIGS)."""
 import os
 import sys
 import time
@@ -22,9 +22,11 @@ copy = copy_bandwidth_gbps()
 print(f"copy {copy:.0f} GB/s", flush=True)
 DEFAULT = ("16/4/5/32;16/1/5/16;32/1/5/16;16/1/7/16;16/1/5/32;32/1/5/32;16/1/7/32;32/1/7/32;16/2/5/16;32/2/5/16;"
            "16/2/5/32;16/2/7/32;32/1/4/16;32/1/6/16")
-settings = [tuple(int(x) for x in s.split("/")) for s in os.environ.get("PROBE_SETTINGS", DEFAULT).split(";") if s]
+# "default": the shipped tiling and split (no overrides)
+settings = [() if s == "default" else tuple(int(x) for x in s.split("/"))
+            for s in os.environ.get("PROBE_SETTINGS", DEFAULT).split(";") if s]
 ENV = ("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", "FLYDSL_BACKENDS_PA_TRITON_WARPS", "FLYDSL_BACKENDS_PA_TRITON_STAGES",
-       "FLYDSL_BACKENDS_PA_TRITON_BT")
+       "FLYDSL_BACKENDS_PA_TRITON_BT", "FLYDSL_BACKENDS_PA_FEW_PROGRAMS_PER_SM")
 for ci in [int(i) for i in os.environ.get("PROBE_CONFIGS", "0,1,2,3").split(",")]:
     B, ctx, ql, Hq, Hkv, D, bs, scales = DEFAULT_CONFIGS[ci]
     kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda", table_tokens=TABLE_TOKENS)
@@ -36,6 +38,8 @@ for ci in [int(i) for i in os.environ.get("PROBE_CONFIGS", "0,1,2,3").split(",")
         if time.time() - t0 > budget:
             print("  budget reached", flush=True)
             break
+        for k in ENV:
+            os.environ.pop(k, None)
         os.environ.update({k: str(v) for k, v in zip(ENV, s)})
         ptriton.decode_tiling.cache_clear()
         try:
@@ -45,7 +49,7 @@ for ci in [int(i) for i in os.environ.get("PROBE_CONFIGS", "0,1,2,3").split(",")
             err = accuracy(kw, out)
             t = time_cuda_graph(lambda i: plan.run(**args, out=out), inner=2, trials=20)
             rows.append((t.median_us, s, err))
-            print(f"  B={B} ctx={ctx} ql={ql} Hq={Hq}/{Hkv} pps/warps/stages/bt={'/'.join(map(str, s))}: "
+            print(f"  B={B} ctx={ctx} ql={ql} Hq={Hq}/{Hkv} pps/warps/stages/bt/few={'/'.join(map(str, s)) or 'default'}: "
                   f"{t.median_us:.1f} us ({100 * nbytes / (t.median_us * 1e-6) / 1e9 / copy:.1f}% of copy) "
                   f"rel.err {err:.2e}", flush=True)
         except Exception as exc:

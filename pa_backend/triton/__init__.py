@@ -22,9 +22,9 @@ import torch
 from backend_core import platform
 from ..contract import PAProblem, WriteProblem
 from ..fp8 import fp8_max
-from ..planner import PROGRAMS_PER_SM, plan_partitions, work_rows, workspace
+from ..planner import FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, one_warp_rows, plan_partitions, row_split, work_rows, workspace
 
-__all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "reduce_warps"]
+__all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "split_policy", "reduce_warps"]
 
 
 def available() -> Tuple[bool, str]:
@@ -58,19 +58,40 @@ def decode_tiling(D: int, BM: int, block_size: int = 16) -> Tuple[int, int, int]
     """(BT tokens per tile, warps, pipeline stages) of the partition kernel. The live tiles (K or V
     [BT, D], acc [BM, D], S [BM, BT]) must fit a thread's registers: the sm_90 resource test checks
     every shipped shape for spills. FLYDSL_BACKENDS_PA_TRITON_BT / _WARPS / _STAGES override them
-    for tuning sweeps (call ``decode_tiling.cache_clear()`` after changing them)."""
+    for tuning sweeps (call ``decode_tiling.cache_clear()`` after changing them).
+
+    M = 16 rows at D <= 128 and pages under 64 tokens (decode with GQA <= 16; multi-token decode
+    runs its rows as separate items, planner.row_split): one warp per program, BT 16. A 4-warp program
+    splits S and acc across its warps, so every tile paid cross-warp max/sum reductions and a
+    shared-memory round trip of P, each behind a barrier; a one-warp program has none of them and
+    ~12 fit an SM by registers (168 each), which keeps more tiles in flight. H200, 128k tables
+    (benchmarks/pa_probe/warps_H200_2026-12-04.txt): B=200/32k 914 -> 580 us, B=32/2k (GQA 4)
+    118 -> 74 us, B=81/8k 115 -> 97 us. M = 64 (4 query rows x GQA 16 in one program) keeps 4
+    warps: a single warp would hold all 64 rows (B=200/ql 4/200k: 8.1 -> 15.4 ms)."""
     bt = (64 if D <= 128 else 32) // (2 if BM * D > 8192 else 1)
-    if D == 128 and BM == 16 and block_size < 64:
-        # H200, 16/32-token pages, M=16: BT 32 (94 registers, 5 programs/SM) beat BT 64 (112, 4/SM) by
-        # 1-19% (benchmarks/pa_probe/variants_H200_2026-12-03.txt); 64-token pages keep BT 64
-        bt = 32
+    warps = 4 if D <= 128 else 8
+    if one_warp_rows(D, BM, block_size):
+        bt, warps = 16, 1
+    elif D == 128 and BM == 16:
+        bt = 32  # 64-token pages: 4 warps, BT 32 (107 us at B=81/8k; BT 64 124 us, one warp 113 us)
     bt = _env_int("FLYDSL_BACKENDS_PA_TRITON_BT", bt)
     if bt & (bt - 1) or bt < 16:
         raise ValueError(f"FLYDSL_BACKENDS_PA_TRITON_BT={bt}: expected a power of two >= 16")
-    # 4 warps won every H200 decode sweep; D = 256 tiles need 8 warps to stay clear of spills.
     # 5 stages: the first count at which Triton 3.6 double-buffers the K/V copies (pa_decode.py)
-    return (bt, _env_int("FLYDSL_BACKENDS_PA_TRITON_WARPS", 4 if D <= 128 else 8),
+    return (bt, _env_int("FLYDSL_BACKENDS_PA_TRITON_WARPS", warps),
             _env_int("FLYDSL_BACKENDS_PA_TRITON_STAGES", 5))
+
+
+def split_policy(warps: int) -> Tuple[int, int]:
+    """(programs per SM, few programs per SM) the split-K planner aims for with programs of
+    ``warps`` warps (planner.plan_partitions): one-warp programs fit ~12 per SM, so they need more
+    partitions to fill the GPU than the 4-warp ones (5 per SM). H200, one warp
+    (benchmarks/pa_probe/warps_H200_2026-12-04.txt): 32 / 8 gave B=81/8k 88 us, B=200/32k 582 us,
+    B=32/2k 71 us; 16 / 8 was 1-7% slower at 32k, 16 / 4 up to 20%.
+    FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM / _FEW_PROGRAMS_PER_SM override them (tuning)."""
+    pps, few = (32, 8) if warps == 1 else (PROGRAMS_PER_SM, FEW_PROGRAMS_PER_SM)
+    return (_env_int("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", pps),
+            _env_int("FLYDSL_BACKENDS_PA_FEW_PROGRAMS_PER_SM", few))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -90,11 +111,6 @@ def prefill_tiling(D: int, G: int, block_size: int = 16) -> Tuple[int, int, int,
         bt, warps, stages = 64, 8, 2
     return (rows, _env_int("FLYDSL_BACKENDS_PA_PREFILL_BT", bt), _env_int("FLYDSL_BACKENDS_PA_PREFILL_WARPS", warps),
             _env_int("FLYDSL_BACKENDS_PA_PREFILL_STAGES", stages))
-
-
-def programs_per_sm() -> int:
-    """The planner's programs-per-SM target (FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM overrides it)."""
-    return _env_int("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", PROGRAMS_PER_SM)
 
 
 def reduce_warps(D: int, BM: int) -> int:
@@ -142,6 +158,24 @@ def prefill_chunks(qsl, rows_per_chunk: int):
     return items
 
 
+_DECODE_ROWS: dict = {}
+
+
+def decode_rows(num_seqs: int, query_length: int, device) -> torch.Tensor:
+    """The work items of a multi-token decode run row by row: (sequence, row, 1, rows after it) for
+    every query row, [num_seqs * query_length, 4] int32, made on the device (no host data: a CUDA
+    graph may capture it) and kept per shape."""
+    key = (num_seqs, query_length, str(device))
+    t = _DECODE_ROWS.get(key)
+    if t is None:
+        i = torch.arange(num_seqs * query_length, dtype=torch.int32, device=device)
+        t = torch.stack([i // query_length, i, torch.ones_like(i), query_length - 1 - i % query_length], 1).contiguous()
+        if len(_DECODE_ROWS) > 256:
+            _DECODE_ROWS.clear()
+        _DECODE_ROWS[key] = t
+    return t
+
+
 def _to_device(rows, device) -> torch.Tensor:
     t = torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.int32)
     if device.type == "cuda":
@@ -155,9 +189,15 @@ class _Launch:
     def __init__(self, p: PAProblem):
         c = p.cache
         self.G, self.D = p.Hq // c.Hkv, c.D
+        self.ragged = not p.is_decode
         if p.is_decode:
             self.QL, self.items, self.chunks = p.query_length, p.num_seqs, None
             self.zero_rows = None
+            if row_split(self.G, self.QL, self.D, c.block_size):
+                # each query row its own work item (one-warp programs); the programs of one sequence's
+                # rows are neighbours in the grid, so its K/V pages are read from HBM about once
+                self.chunks = decode_rows(p.num_seqs, self.QL, p.device)
+                self.items, self.QL, self.ragged = p.num_seqs * self.QL, 1, True
         else:
             self.QL = prefill_tiling(self.D, self.G, c.block_size)[0]
             # the chunks that see the most context first (a sequence's last chunks): the long programs
@@ -185,7 +225,7 @@ class _Launch:
         if plan is not None and plan.max_context is not None:
             bound = min(bound, max(int(plan.max_context), 1))
         self.split = plan_partitions(self.items, c.Hkv, bound, platform.sm_count(p.device), p.num_partitions or 0,
-                                     programs_per_sm())
+                                     *split_policy(self.warps))
         self.ws = workspace(p.device, self.items, c.Hkv, self.split.P, self.BM, self.D) if self.items else None
         self.v_maxnum = _v_maxnum(p.device)
 
@@ -226,7 +266,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         vs.stride(0) if c.v_per_token else 0, vs.stride(1) if c.v_per_token else 0,
         p.block_tables.stride(0), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=L.bt, ALIGN=L.align,
-        V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
+        V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=L.ragged,
         V_MAXNUM=L.v_maxnum, num_warps=L.warps, num_stages=L.stages,
     )
     pa_decode_reduce_kernel[(L.items, c.Hkv)](
@@ -234,7 +274,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
         p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
-        RAGGED=not p.is_decode, num_warps=reduce_warps(L.D, L.BM),
+        RAGGED=L.ragged, num_warps=reduce_warps(L.D, L.BM),
     )
     return p.out
 
