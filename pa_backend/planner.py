@@ -24,7 +24,7 @@ import torch
 
 from backend_core.buffers import DeviceBuffers
 
-__all__ = ["Split", "plan_partitions", "work_rows", "one_warp_rows", "row_split", "workspace", "reserve",
+__all__ = ["Split", "plan_partitions", "work_rows", "one_warp_rows", "workspace", "reserve",
            "workspace_bytes"]
 
 
@@ -87,12 +87,6 @@ def one_warp_rows(D: int, BM: int, block_size: int) -> bool:
     return D <= 128 and BM == 16 and block_size < 64
 
 
-def row_split(G: int, query_length: int, D: int, block_size: int) -> bool:
-    """Whether a decode with ``query_length`` rows per sequence runs each row as its own work item:
-    when the rows of a sequence would make M > 16 but one row fits the one-warp program."""
-    return query_length > 1 and work_rows(G, query_length) > 16 and one_warp_rows(D, work_rows(G, 1), block_size)
-
-
 def _floats(items: int, Hkv: int, P: int, BM: int, D: int) -> int:
     return items * Hkv * P * BM * (D + 2)
 
@@ -131,13 +125,11 @@ def reserve(max_num_seqs: int, Hq: int, Hkv: int, D: int, max_context: int, bloc
         raise ValueError(f"Hq: expected a multiple of Hkv={Hkv}, got {Hq}")
     device = torch.device(device)
     sms = sms or platform.sm_count(device)
-    G = Hq // Hkv
-    rows = query_length if row_split(G, query_length, D, block_size) else 1  # work items per sequence
-    BM = work_rows(G, query_length // rows)
+    BM = work_rows(Hq // Hkv, query_length)
 
     def floats(b: int) -> int:
-        P = plan_partitions(b * rows, Hkv, max_context, sms, 0, MAX_PROGRAMS_PER_SM, MAX_FEW_PROGRAMS_PER_SM).P
-        return _floats(b * rows, Hkv, P, BM, D)
+        return _floats(b, Hkv, plan_partitions(b, Hkv, max_context, sms, 0, MAX_PROGRAMS_PER_SM,
+                                               MAX_FEW_PROGRAMS_PER_SM).P, BM, D)
 
     # the largest request over batch sizes: fewer sequences get more partitions each
     need = max(floats(b) for b in range(1, max_num_seqs + 1))

@@ -67,34 +67,6 @@ def test_decode_features(extra):
     check(params)
 
 
-@pytest.mark.parametrize("extra", [dict(), dict(sliding_window=7), dict(sinks=True, context_lengths=[4, 33]),
-                                   dict(scales="token", v_layout="5d"), dict(Hq=8, query_length=3)],
-                         ids=["plain", "window", "sinks-short", "token-5d", "gqa8-ql3"])
-def test_multi_token_decode_runs_rows_as_items(extra):
-    """Decode with 4 query rows x GQA 16 (M 64 in one program) runs each row as its own work item
-    (planner.row_split, items made on the device): row r of a sequence sees context - (rows - 1 - r)
-    tokens, windows and sinks per row; equal to the float64 reference. The launch state shows the
-    split was taken."""
-    from pa_backend import plan_decode
-    from pa_backend.planner import row_split
-
-    params = dict(context_lengths=[37, 5, 70], query_length=4, Hq=16, Hkv=1, D=64, block_size=16)
-    params.update(extra)
-    assert row_split(params["Hq"] // params["Hkv"], params["query_length"], params["D"], params["block_size"])
-    check(params, seed=5)
-    case = make_pa_case(**params, device=DEVICE, seed=5)
-    kw = dict(case.kwargs)
-    plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=params["query_length"],
-                       backend="triton")
-    out = plan.run(kw["query"], kw["key_cache"], kw["value_cache"], kw["key_scale"], kw["value_scale"],
-                   sliding_window=kw.get("sliding_window", 0), sinks=kw.get("sinks"), out=kw["out"])
-    (launch,) = plan.state.values()
-    n = len(params["context_lengths"]) * params["query_length"]
-    assert launch.ragged and launch.items == n and launch.QL == 1 and launch.BM == 16
-    assert launch.chunks[:, 3].tolist() == [params["query_length"] - 1 - i % params["query_length"] for i in range(n)]
-    assert torch.equal(out, case.call("triton"))
-
-
 @pytest.mark.parametrize("parts", [1, 2, 3])
 def test_explicit_partitions_and_padded_sequence(parts):
     out = check(dict(context_lengths=[0, 50, 1], query_length=1, Hq=4, Hkv=2, D=64, sinks=True), num_partitions=parts)
@@ -229,19 +201,18 @@ def test_reserved_workspace_is_reused_and_outgrown_buffers_stay_alive():
 @pytest.mark.parametrize("G,ql,D,bs", [(16, 4, 128, 16), (4, 1, 128, 16), (8, 1, 64, 64), (16, 1, 256, 16)])
 def test_reserve_covers_every_launch_of_the_triton_split(G, ql, D, bs):
     """reserve() sizes the workspace for whatever the Triton launch plans at every batch size up to
-    the reservation: one-warp split targets and row-split multi-token decode included."""
+    the reservation, one-warp programs' split targets included."""
     from pa_backend import planner
     from pa_backend.triton import decode_tiling, split_policy
 
     sms, max_ctx, Hkv = 132, 1 << 17, 2
     planner._WS.buffers.pop(torch.device(DEVICE), None)
     reserved = planner.reserve(64, G * Hkv, Hkv, D, max_ctx, bs, query_length=ql, device=DEVICE, sms=sms) // 4
-    rows = ql if planner.row_split(G, ql, D, bs) else 1
-    BM = planner.work_rows(G, ql // rows)
+    BM = planner.work_rows(G, ql)
     warps = decode_tiling(D, BM, bs)[1]
     for b in (1, 3, 17, 64):
-        P = planner.plan_partitions(b * rows, Hkv, max_ctx, sms, 0, *split_policy(warps)).P
-        assert planner._floats(b * rows, Hkv, P, BM, D) <= reserved, (b, P)
+        P = planner.plan_partitions(b, Hkv, max_ctx, sms, 0, *split_policy(warps)).P
+        assert planner._floats(b, Hkv, P, BM, D) <= reserved, (b, P)
 
 
 def test_cache_over_2gib_uses_64bit_offsets():

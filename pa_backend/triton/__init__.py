@@ -22,7 +22,7 @@ import torch
 from backend_core import platform
 from ..contract import PAProblem, WriteProblem
 from ..fp8 import fp8_max
-from ..planner import FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, one_warp_rows, plan_partitions, row_split, work_rows, workspace
+from ..planner import FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, one_warp_rows, plan_partitions, work_rows, workspace
 
 __all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "split_policy", "reduce_warps"]
 
@@ -60,14 +60,15 @@ def decode_tiling(D: int, BM: int, block_size: int = 16) -> Tuple[int, int, int]
     every shipped shape for spills. FLYDSL_BACKENDS_PA_TRITON_BT / _WARPS / _STAGES override them
     for tuning sweeps (call ``decode_tiling.cache_clear()`` after changing them).
 
-    M = 16 rows at D <= 128 and pages under 64 tokens (decode with GQA <= 16; multi-token decode
-    runs its rows as separate items, planner.row_split): one warp per program, BT 16. A 4-warp program
+    M = 16 rows at D <= 128 and pages under 64 tokens (decode with GQA x query rows <= 16): one
+    warp per program, BT 16. A 4-warp program
     splits S and acc across its warps, so every tile paid cross-warp max/sum reductions and a
     shared-memory round trip of P, each behind a barrier; a one-warp program has none of them and
     ~12 fit an SM by registers (168 each), which keeps more tiles in flight. H200, 128k tables
     (benchmarks/pa_probe/warps_H200_2026-12-04.txt): B=200/32k 914 -> 580 us, B=32/2k (GQA 4)
-    118 -> 74 us, B=81/8k 115 -> 97 us. M = 64 (4 query rows x GQA 16 in one program) keeps 4
-    warps: a single warp would hold all 64 rows (B=200/ql 4/200k: 8.1 -> 15.4 ms)."""
+    118 -> 74 us, B=81/8k 115 -> 88 us. M = 64 (4 query rows x GQA 16) keeps 4 warps, one per 16
+    rows: a single warp would hold all 64 (B=200/ql 4/200k: 8.1 -> 15.4 ms), and running each query
+    row as a one-warp work item of its own (pages read 4x, mostly from L2) took 12.7 ms."""
     bt = (64 if D <= 128 else 32) // (2 if BM * D > 8192 else 1)
     warps = 4 if D <= 128 else 8
     if one_warp_rows(D, BM, block_size):
@@ -158,24 +159,6 @@ def prefill_chunks(qsl, rows_per_chunk: int):
     return items
 
 
-_DECODE_ROWS: dict = {}
-
-
-def decode_rows(num_seqs: int, query_length: int, device) -> torch.Tensor:
-    """The work items of a multi-token decode run row by row: (sequence, row, 1, rows after it) for
-    every query row, [num_seqs * query_length, 4] int32, made on the device (no host data: a CUDA
-    graph may capture it) and kept per shape."""
-    key = (num_seqs, query_length, str(device))
-    t = _DECODE_ROWS.get(key)
-    if t is None:
-        i = torch.arange(num_seqs * query_length, dtype=torch.int32, device=device)
-        t = torch.stack([i // query_length, i, torch.ones_like(i), query_length - 1 - i % query_length], 1).contiguous()
-        if len(_DECODE_ROWS) > 256:
-            _DECODE_ROWS.clear()
-        _DECODE_ROWS[key] = t
-    return t
-
-
 def _to_device(rows, device) -> torch.Tensor:
     t = torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.int32)
     if device.type == "cuda":
@@ -189,15 +172,9 @@ class _Launch:
     def __init__(self, p: PAProblem):
         c = p.cache
         self.G, self.D = p.Hq // c.Hkv, c.D
-        self.ragged = not p.is_decode
         if p.is_decode:
             self.QL, self.items, self.chunks = p.query_length, p.num_seqs, None
             self.zero_rows = None
-            if row_split(self.G, self.QL, self.D, c.block_size):
-                # each query row its own work item (one-warp programs); the programs of one sequence's
-                # rows are neighbours in the grid, so its K/V pages are read from HBM about once
-                self.chunks = decode_rows(p.num_seqs, self.QL, p.device)
-                self.items, self.QL, self.ragged = p.num_seqs * self.QL, 1, True
         else:
             self.QL = prefill_tiling(self.D, self.G, c.block_size)[0]
             # the chunks that see the most context first (a sequence's last chunks): the long programs
@@ -266,7 +243,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         vs.stride(0) if c.v_per_token else 0, vs.stride(1) if c.v_per_token else 0,
         p.block_tables.stride(0), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=L.bt, ALIGN=L.align,
-        V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=L.ragged,
+        V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
         V_MAXNUM=L.v_maxnum, num_warps=L.warps, num_stages=L.stages,
     )
     pa_decode_reduce_kernel[(L.items, c.Hkv)](
@@ -274,7 +251,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
         p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
-        RAGGED=L.ragged, num_warps=reduce_warps(L.D, L.BM),
+        RAGGED=not p.is_decode, num_warps=reduce_warps(L.D, L.BM),
     )
     return p.out
 

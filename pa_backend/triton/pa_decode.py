@@ -31,8 +31,7 @@
 # context's end) run masked, 2 stages. In prefill the masked tiles are about rows/BT + 1 per chunk.
 # Warps (decode_tiling): M = 16 decode programs are one warp (S, P and acc stay in that warp's
 # registers: no cross-warp reduction, no shared-memory round trip of P, ~12 programs per SM); larger
-# M splits rows across 4 or 8 warps. A multi-token decode with M > 16 runs each query row as a work
-# item of its own (RAGGED items made on the device, planner.row_split).
+# M splits rows across 4 or 8 warps.
 # Pipelining (H200, Triton 3.6): the block-id load is one indirection above the K/V loads, so
 # num_stages <= 4 gives the K/V copies one shared buffer (no overlap inside a program); 5 gives two.
 # Table entries are read only for tokens inside the partition, so stale ids past a sequence's
