@@ -216,18 +216,18 @@ def pa_decode_partition_kernel(
     row = o_m // G  # query row within the sequence (decode) or chunk (prefill)
     grp = o_m % G
     seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
-    lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
-    live_p_ = i_p < n_live  # programs past the item's split (a shape-only grid's extra P) load nothing
     m_valid = (o_m < G * QL) & (row < nrows)
     p_qrow = p_q + (q0 + row)[:, None] * stride_q_t + (i_h * G + grp)[:, None] * stride_q_h + o_d[None, :]
     # Q scaled per row by a power of two (exact) into FP16's range
-    b_qf = tl.load(p_qrow, mask=m_valid[:, None] & live_p_, other=0.0).to(tl.float32)
+    b_qf = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(tl.float32)
     q_e = tl.max(tl.abs(b_qf), 1).to(tl.int32, bitcast=True) & 0x7F800000
     q_pow = tl.where(q_e > 0, q_e.to(tl.float32, bitcast=True), 1.0)
     b_q = (b_qf * (1.0 / q_pow)[:, None]).to(tl.float16)
     last = ctx - nrows + row  # row sees tokens first..last
     first = tl.where(sliding_window > 0, last - sliding_window + 1, 0)
 
+    lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
+    live_p_ = i_p < n_live
     start = lo + i_p * pt
     end = tl.minimum(tl.minimum(start + pt, ctx), max_tokens)  # never past the table row
     end = tl.maximum(end, start)  # partitions past the span (start >= ctx) have no tiles
