@@ -80,6 +80,8 @@ def uniform_query_length(query_start_loc_cpu: torch.Tensor, num_reqs: int, num_a
     n = int(max_query_len)
     if not 1 <= n <= _contract.MAX_QUERY_LENGTH or num_actual_tokens != num_reqs * n or num_reqs == 0:
         return 0
+    if int(query_start_loc_cpu[num_reqs]) - int(query_start_loc_cpu[0]) == num_actual_tokens:
+        return n  # no request over n tokens (max_query_len is the longest) and n per request in all: all n
     qsl = query_start_loc_cpu[:num_reqs + 1].tolist()
     lens = [b - a for a, b in zip(qsl, qsl[1:])]
     live = lens.count(n)  # list operations run in C: this is on every step's host path
@@ -243,6 +245,8 @@ def _build_builder_class():
                         query_length=min(_spec_query_length(vllm_config), _contract.MAX_QUERY_LENGTH),
                         device=torch.device(device))
 
+        _plans: Optional[dict] = None  # decode plans of this builder's buffers (``_decode_plan``)
+
         def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
             cam = common_attn_metadata
             if common_prefix_len:
@@ -256,20 +260,42 @@ def _build_builder_class():
             md.plan = self._plan(md, cam, max_context=int(cam.max_seq_len) or None)
             return md
 
-        @staticmethod
-        def _plan(md, cam, max_context):
+        def _plan(self, md, cam, max_context):
             """One plan per step from what vLLM holds on the host (query_start_loc_cpu, max_seq_len)."""
             R = md.num_reqs
             if md.query_length:
-                return plan_decode(md.block_table[:R], md.seq_lens[:R], query_length=md.query_length,
-                                   max_context=max_context)
+                return self._decode_plan(md, max_context)
             return plan_prefill(md.block_table[:R], md.query_start_loc[:R + 1], md.seq_lens[:R],
                                 query_start_loc_host=cam.query_start_loc_cpu[:R + 1], max_context=max_context)
 
+        def _decode_plan(self, md, max_context):
+            """A decode plan depends on shapes only (the kernels read tables and lengths on the device),
+            so the plan of the runner's persistent buffers is made once per (requests, query length,
+            buffers, context bound rounded up to a power of two) and reused by every later step: the
+            per-step host cost is a dict lookup. The plans hold views of the buffers, so an address in
+            a key always names the same live storage."""
+            R, bt, sl = md.num_reqs, md.block_table, md.seq_lens
+            bound = None if max_context is None else 1 << max(int(max_context) - 1, 0).bit_length()
+            key = (R, md.query_length, bound, bt.data_ptr(), bt.dtype, tuple(bt.shape[1:]), tuple(bt.stride()),
+                   sl.data_ptr(), sl.dtype, tuple(sl.stride()), str(bt.device))
+            plans = self._plans
+            if plans is None:
+                plans = self._plans = {}
+            plan = plans.get(key)
+            if plan is None:
+                plan = plan_decode(bt[:R], sl[:R], query_length=md.query_length, max_context=bound)
+                if len(plans) >= 512:
+                    plans.clear()
+                plans[key] = plan
+            return plan
+
         def build_for_cudagraph_capture(self, common_attn_metadata):
             md = self.build(0, common_attn_metadata)
-            # shape-only plan: the captured kernels split whatever contexts the replays bring
-            md.plan = self._plan(md, common_attn_metadata, max_context=None)
+            # shape-only plan, made for this capture (not shared with eager steps): the captured kernels
+            # split whatever contexts the replays bring
+            R = md.num_reqs
+            md.plan = (plan_decode(md.block_table[:R], md.seq_lens[:R], query_length=md.query_length)
+                       if md.query_length else None)
             if md.query_length == 0:
                 raise NotImplementedError("flydsl attention: CUDA graphs are declared for uniform batches only "
                                           f"(query length 1..{_contract.MAX_QUERY_LENGTH} per request)")

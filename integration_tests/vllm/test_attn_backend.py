@@ -141,6 +141,56 @@ def test_sliding_window_and_sinks_match_sdpa(model_dir):
                                 sinks=sinks.bfloat16().float())
         torch.testing.assert_close(out.float(), want, atol=ATOL, rtol=RTOL)
 
+def test_decode_plan_is_reused_across_steps_on_the_runner_buffers(model_dir):
+    """The runner refills the same persistent buffers every step: the builder makes one decode plan per
+    (requests, context bound) and reuses it (the kernels read tables and lengths on the device), so a
+    later step with other contexts and other blocks still matches SDPA; another request count, another
+    power-of-two context bound, a prefill step or other buffers get other plans."""
+    import dataclasses
+
+    bs, cols = 16, 8
+    spec = H.backend_spec(block_size=bs)
+    builder, _ = _builder(model_dir, spec)
+    bt_buf = torch.zeros(6, cols, dtype=torch.int32)  # the runner's persistent buffers (max_num_seqs 6)
+    sl_buf = torch.zeros(6, dtype=torch.int32)
+
+    def step(b, rows):
+        cam = H.common_metadata(b, rows)
+        R = cam.num_reqs
+        bt_buf[:R].copy_(cam.block_table_tensor)
+        sl_buf[:R].copy_(cam.seq_lens)
+        return dataclasses.replace(cam, block_table_tensor=bt_buf[:R], seq_lens=sl_buf[:R]), b, rows
+
+    impl, layer = H.make_impl(), H.layer_with_scales(0.5, 0.25)
+    plans = []
+    for seed, prefix in ((1, (20, 70)), (2, (90, 3)), (3, (33, 40))):  # max_seq_len 71, 91, 41: bound 128 / 128 / 64
+        b = H.Batch(prefix_lens=prefix, query_lens=(1, 1), block_size=bs, num_blocks=30, seed=seed)
+        cam, b, rows = step(b, H.block_rows(b, cols))
+        md = builder.build(0, cam)
+        assert md.query_length == 1
+        plans.append(md.plan)
+        g = torch.Generator().manual_seed(seed)
+        k_all, v_all = H.random_kv(b, g)
+        kv = H.allocate(spec, b.num_blocks, LAYERS[:1])[LAYERS[0]]
+        H.write_prefix(impl, layer, kv, b, rows, k_all, v_all)
+        k_new, v_new = H.new_tokens(b, k_all, v_all)
+        impl.do_kv_cache_update(layer, k_new, v_new, kv, cam.slot_mapping)
+        q = torch.randn(2, H.HQ, H.D, generator=g).bfloat16()
+        out = torch.full((2, H.HQ, H.D), float("nan"), dtype=torch.bfloat16)
+        impl.forward(layer, q, k_new, v_new, kv, md, out)
+        want = H.sdpa_reference(q, k_all, v_all, b, H.D ** -0.5, k_scale=0.5, v_scale=0.25)
+        torch.testing.assert_close(out.float(), want, atol=ATOL, rtol=RTOL)
+    assert plans[1] is plans[0] and plans[2] is not plans[0]  # same bound (128) reused; 64 is another plan
+    assert plans[0].max_context == 128 and plans[2].max_context == 64
+    three = H.Batch(prefix_lens=(20, 70, 5), query_lens=(1, 1, 1), block_size=bs, num_blocks=30, seed=4)
+    assert builder.build(0, step(three, H.block_rows(three, cols))[0]).plan is not plans[0]
+    first = H.Batch(prefix_lens=(20, 70), query_lens=(1, 1), block_size=bs, num_blocks=30, seed=1)
+    assert builder.build(0, H.common_metadata(first, H.block_rows(first, cols))).plan is not plans[0]  # other buffers
+    mixed = H.Batch(prefix_lens=(20, 70), query_lens=(3, 1), block_size=bs, num_blocks=30, seed=5)
+    md = builder.build(0, step(mixed, H.block_rows(mixed, cols))[0])
+    assert not md.plan.is_decode and md.plan is not plans[0]
+
+
 
 @pytest.mark.parametrize("ql", [1, 2])
 def test_cudagraph_capture_metadata_and_padded_batch(model_dir, ql):
