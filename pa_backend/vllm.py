@@ -5,7 +5,8 @@ An adapter only: it turns vLLM's ``CommonAttentionMetadata`` and KV-cache view i
 :func:`pa_backend.write_kv` and one paged-attention plan per step (:func:`pa_backend.plan_decode` /
 :func:`pa_backend.plan_prefill`, built by the metadata builder from ``query_start_loc_cpu`` and
 ``max_seq_len``; every layer's ``forward`` runs it: no host sync, planning or re-validation of the
-batch per layer; docs/design.md §4.1). No kernel code lives here. All vLLM classes are built on first attribute access
+batch per layer; docs/design.md §4.1). Decode plans depend on shapes only, so the builder keeps the
+plan of its persistent buffers per request count and power-of-two context bound and reuses it. No kernel code lives here. All vLLM classes are built on first attribute access
 (PEP 562), so ``import pa_backend.vllm`` imports no vLLM module.
 
 The cache (``customize_spec``): each block holds two head slots of ``block_size x (Hkv*D)`` bytes —
