@@ -6,8 +6,9 @@ An adapter only: it turns vLLM's ``CommonAttentionMetadata`` and KV-cache view i
 :func:`pa_backend.plan_prefill`, built by the metadata builder from ``query_start_loc_cpu`` and
 ``max_seq_len``; every layer's ``forward`` runs it: no host sync, planning or re-validation of the
 batch per layer; docs/design.md §4.1). Decode plans depend on shapes only, so the builder keeps the
-plan of its persistent buffers per request count and power-of-two context bound and reuses it. No kernel code lives here. All vLLM classes are built on first attribute access
-(PEP 562), so ``import pa_backend.vllm`` imports no vLLM module.
+plan of its persistent buffers per request count and power-of-two context bound and reuses it. No
+kernel code lives here. All vLLM classes are built on first attribute access (PEP 562), so
+``import pa_backend.vllm`` imports no vLLM module.
 
 The cache (``customize_spec``): each block holds two head slots of ``block_size x (Hkv*D)`` bytes —
 slot 0 the K page, slot 1 the V page — so vLLM's logical layer view is ``[num_blocks, 2, N, Hkv*D]``

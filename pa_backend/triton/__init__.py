@@ -61,10 +61,10 @@ def decode_tiling(D: int, BM: int, block_size: int = 16) -> Tuple[int, int, int]
     for tuning sweeps (call ``decode_tiling.cache_clear()`` after changing them).
 
     M = 16 rows at D <= 128 and pages under 64 tokens (decode with GQA x query rows <= 16): one
-    warp per program, BT 16. A 4-warp program
-    splits S and acc across its warps, so every tile paid cross-warp max/sum reductions and a
-    shared-memory round trip of P, each behind a barrier; a one-warp program has none of them and
-    ~12 fit an SM by registers (168 each), which keeps more tiles in flight. H200, 128k tables
+    warp per program, BT 16. A 4-warp program splits S and acc across its warps, so every tile
+    paid cross-warp max/sum reductions and a shared-memory round trip of P, each behind a barrier;
+    a one-warp program has none of them and ~12 fit an SM by registers (168 each), which keeps more
+    tiles in flight. H200, 128k tables
     (benchmarks/pa_probe/warps_H200_2026-12-04.txt): B=200/32k 914 -> 580 us, B=32/2k (GQA 4)
     118 -> 74 us, B=81/8k 115 -> 88 us. M = 64 (4 query rows x GQA 16) keeps 4 warps, one per 16
     rows: a single warp would hold all 64 (B=200/ql 4/200k: 8.1 -> 15.4 ms), and running each query
