@@ -27,7 +27,7 @@ copy = copy_bandwidth_gbps()
 print(f"copy {copy:.0f} GB/s", flush=True)
 ENV = ("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", "FLYDSL_BACKENDS_PA_TRITON_WARPS", "FLYDSL_BACKENDS_PA_TRITON_STAGES",
        "FLYDSL_BACKENDS_PA_TRITON_BT", "FLYDSL_BACKENDS_PA_PREFILL_M", "FLYDSL_BACKENDS_PA_PREFILL_BT",
-       "FLYDSL_BACKENDS_PA_PREFILL_WARPS", "FLYDSL_BACKENDS_PA_PREFILL_STAGES")
+       "FLYDSL_BACKENDS_PA_PREFILL_WARPS", "FLYDSL_BACKENDS_PA_PREFILL_STAGES", "FLYDSL_BACKENDS_PA_FEW_PROGRAMS_PER_SM")
 
 
 def grid(spec):
@@ -66,7 +66,7 @@ for i in pick:
     B, ctx, ql, Hq, Hkv, D, bs, scales = DEFAULT_CONFIGS[i]
     kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda", table_tokens=TABLE_TOKENS)
     names = ENV[:4]
-    settings = grid((("SWEEP_PPS", "8,16,32"), ("SWEEP_WARPS", "4"), ("SWEEP_STAGES", "4,5"), ("SWEEP_BT", "32,64")))
+    settings = grid((("SWEEP_PPS", "16,32"), ("SWEEP_WARPS", "1,4"), ("SWEEP_STAGES", "5,6"), ("SWEEP_BT", "16,32")))
     sweep(f"decode B={B} ctx={ctx} ql={ql} Hq={Hq} page={bs} {scales}", kw,
           lambda kw=kw, ql=ql: plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton"),
           names, settings, kv_bytes(B, ctx, Hkv, D, scales), 0)
