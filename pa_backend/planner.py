@@ -24,8 +24,7 @@ import torch
 
 from backend_core.buffers import DeviceBuffers
 
-__all__ = ["Split", "plan_partitions", "work_rows", "one_warp_rows", "workspace", "reserve",
-           "workspace_bytes"]
+__all__ = ["Split", "plan_partitions", "work_rows", "workspace", "reserve", "workspace_bytes"]
 
 
 # Programs per SM the split-K aims for, and the partition lengths it prefers. Partitions shorter
@@ -81,12 +80,6 @@ def work_rows(G: int, QL: int) -> int:
     return max(16, 1 << (G * QL - 1).bit_length())
 
 
-def one_warp_rows(D: int, BM: int, block_size: int) -> bool:
-    """Whether a program of BM rows runs as one warp (the Triton decode tiling; H200 figures in
-    pa_backend.triton.decode_tiling): M = 16 at D <= 128 with pages under 64 tokens."""
-    return D <= 128 and BM == 16 and block_size < 64
-
-
 def _floats(items: int, Hkv: int, P: int, BM: int, D: int) -> int:
     return items * Hkv * P * BM * (D + 2)
 
@@ -126,12 +119,9 @@ def reserve(max_num_seqs: int, Hq: int, Hkv: int, D: int, max_context: int, bloc
     device = torch.device(device)
     sms = sms or platform.sm_count(device)
     BM = work_rows(Hq // Hkv, query_length)
-
-    def floats(b: int) -> int:
-        return _floats(b, Hkv, plan_partitions(b, Hkv, max_context, sms, 0, MAX_PROGRAMS_PER_SM,
-                                               MAX_FEW_PROGRAMS_PER_SM).P, BM, D)
-
     # the largest request over batch sizes: fewer sequences get more partitions each
-    need = max(floats(b) for b in range(1, max_num_seqs + 1))
+    need = max(_floats(b, Hkv, plan_partitions(b, Hkv, max_context, sms, 0, MAX_PROGRAMS_PER_SM,
+                                               MAX_FEW_PROGRAMS_PER_SM).P, BM, D)
+               for b in range(1, max_num_seqs + 1))
     _WS.get(device, (need,))
     return workspace_bytes(device)

@@ -246,8 +246,7 @@ def _build_builder_class():
                         int(kv_cache_spec.block_size),
                         query_length=min(_spec_query_length(vllm_config), _contract.MAX_QUERY_LENGTH),
                         device=torch.device(device))
-
-        _plans: Optional[dict] = None  # decode plans of this builder's buffers (``_decode_plan``)
+            self._plans = {}  # decode plans of this builder's buffers (``_decode_plan``)
 
         def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
             cam = common_attn_metadata
@@ -281,8 +280,6 @@ def _build_builder_class():
             key = (R, md.query_length, bound, bt.data_ptr(), bt.dtype, tuple(bt.shape[1:]), tuple(bt.stride()),
                    sl.data_ptr(), sl.dtype, tuple(sl.stride()), str(bt.device))
             plans = self._plans
-            if plans is None:
-                plans = self._plans = {}
             plan = plans.get(key)
             if plan is None:
                 plan = plan_decode(bt[:R], sl[:R], query_length=md.query_length, max_context=bound)
@@ -293,14 +290,11 @@ def _build_builder_class():
 
         def build_for_cudagraph_capture(self, common_attn_metadata):
             md = self.build(0, common_attn_metadata)
-            # shape-only plan, made for this capture (not shared with eager steps): the captured kernels
-            # split whatever contexts the replays bring
-            R = md.num_reqs
-            md.plan = (plan_decode(md.block_table[:R], md.seq_lens[:R], query_length=md.query_length)
-                       if md.query_length else None)
             if md.query_length == 0:
                 raise NotImplementedError("flydsl attention: CUDA graphs are declared for uniform batches only "
                                           f"(query length 1..{_contract.MAX_QUERY_LENGTH} per request)")
+            # shape-only plan (no context bound): the captured kernels split whatever contexts the replays bring
+            md.plan = self._decode_plan(md, None)
             md.seq_lens.fill_(1)  # capture reads one token per request (as vLLM's own backends do)
             return md
 

@@ -22,7 +22,7 @@ import torch
 from backend_core import platform
 from ..contract import PAProblem, WriteProblem
 from ..fp8 import fp8_max
-from ..planner import FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, one_warp_rows, plan_partitions, work_rows, workspace
+from ..planner import FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, plan_partitions, work_rows, workspace
 
 __all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "split_policy", "reduce_warps"]
 
@@ -71,7 +71,7 @@ def decode_tiling(D: int, BM: int, block_size: int = 16) -> Tuple[int, int, int]
     row as a one-warp work item of its own (pages read 4x, mostly from L2) took 12.7 ms."""
     bt = (64 if D <= 128 else 32) // (2 if BM * D > 8192 else 1)
     warps = 4 if D <= 128 else 8
-    if one_warp_rows(D, BM, block_size):
+    if D <= 128 and BM == 16 and block_size < 64:
         bt, warps = 16, 1
     elif D == 128 and BM == 16:
         bt = 32  # 64-token pages: 4 warps, BT 32 (107 us at B=81/8k; BT 64 124 us, one warp 113 us)
