@@ -1,0 +1,126 @@
+"""Where does the table-width cost of decode go? (H200, issue 15: 128k tables vs exact-width tables.)
+
+A CUDA graph's decode grid is shape-only: (sequences, Hkv, P) with P sized for the longest context
+the table could hold, and programs past a sequence's own split (p >= P_s) exit without work. With
+one-warp programs at 128k tables that is ~3 dead programs per live one (B=81/8k: 53 vs 14 per
+sequence). This probe times, per case, the exact-width table against the 128k table under kernel
+variants built from the shipped source at run time (nothing here ships):
+  base    the shipped kernel
+  exit    dead programs return before loading the query (the split is computed first)
+  pfirst  the partition index on grid axis 0: a sequence's dead programs are dispatched right
+          after its live ones, instead of all dead programs after every live one
+and the planner's programs-per-SM target (the P of the 128k grid). Every setting is checked
+against the float64 reference before it is timed.
+Run on the GPU machine from the repo root: python3 benchmarks/pa_probe/grid_probe.py [max_seconds]"""
+import importlib.util
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+from backend_core.timing import copy_bandwidth_gbps, time_cuda_graph  # noqa: E402
+from pa_backend import plan_decode  # noqa: E402
+from pa_backend.benchmark import DEFAULT_CONFIGS, MIXED_CONFIG, TABLE_TOKENS, accuracy, bench_case, kv_bytes  # noqa: E402
+from pa_backend.triton import pa_decode as kmod  # noqa: E402
+
+budget = float(sys.argv[1]) if len(sys.argv) > 1 else 1e9
+t0 = time.time()
+SRC = open(kmod.__file__).read()
+SHIPPED = kmod.pa_decode_partition_kernel
+
+
+def _sub(src, old, new):
+    if old not in src:
+        raise RuntimeError(f"variant edit does not apply: {old[:60]!r}")
+    return src.replace(old, new, 1)
+
+
+def variant_source(name):
+    src = SRC
+    if "exit" in name:
+        src = _sub(src, "    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)\n    m_valid",
+                   "    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)\n"
+                   "    lo0, pt0, n_live0 = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)\n"
+                   "    if i_p >= n_live0:\n        return\n    m_valid")
+    if "pfirst" in name:
+        src = _sub(src, "    i_s = tl.program_id(0).to(tl.int64)\n    i_h = tl.program_id(1)\n    i_p = tl.program_id(2)\n"
+                   "    P = tl.num_programs(2)",
+                   "    i_s = tl.program_id(2).to(tl.int64)\n    i_h = tl.program_id(1)\n    i_p = tl.program_id(0)\n"
+                   "    P = tl.num_programs(0)")
+    return src
+
+
+class _GridSwap:
+    """Launches a kernel whose axes 0 and 2 are swapped (the pfirst variant)."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def __getitem__(self, grid):
+        return self.k[(grid[2], grid[1], grid[0])]
+
+
+_tmp = tempfile.mkdtemp(prefix="grid_probe_")
+_kernels = {}
+
+
+def use(name):
+    if name == "base":
+        kmod.pa_decode_partition_kernel = SHIPPED
+        return
+    if name not in _kernels:
+        path = os.path.join(_tmp, f"pa_decode_{name.replace('+', '_')}.py")
+        with open(path, "w") as f:
+            f.write(variant_source(name))
+        spec = importlib.util.spec_from_file_location(f"grid_probe_{name.replace('+', '_')}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        k = mod.pa_decode_partition_kernel
+        _kernels[name] = _GridSwap(k) if "pfirst" in name else k
+    kmod.pa_decode_partition_kernel = _kernels[name]
+
+
+copy = copy_bandwidth_gbps()
+print(f"copy {copy:.0f} GB/s", flush=True)
+VARIANTS = os.environ.get("PROBE_VARIANTS", "base,exit,pfirst,exit+pfirst").split(",")
+PPS = [int(x) for x in os.environ.get("PROBE_PPS", "0,16,12").split(",")]  # 0: the shipped target
+CASES = [DEFAULT_CONFIGS[0], DEFAULT_CONFIGS[3], DEFAULT_CONFIGS[1], MIXED_CONFIG]
+for ci in [int(i) for i in os.environ.get("PROBE_CASES", "0,1,2,3").split(",")]:
+    B, ctx, ql, Hq, Hkv, D, bs, scales = CASES[ci]
+    if isinstance(ctx, tuple):
+        g = torch.Generator().manual_seed(1)
+        ctx = [int(x) for x in torch.linspace(ctx[0], ctx[1], B)[torch.randperm(B, generator=g)]]
+    nbytes = kv_bytes(B, ctx, Hkv, D, scales)
+    label = f"B={B} ctx={'mixed' if isinstance(ctx, list) else ctx} Hq={Hq}/{Hkv}"
+    for width in (0, TABLE_TOKENS):
+        kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda", table_tokens=width)
+        args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+        out = torch.empty_like(kw["query"])
+        runs = [("base", 0)] if width == 0 else [(v, p) for v in VARIANTS for p in PPS]
+        for name, pps in runs:
+            if time.time() - t0 > budget:
+                print("  budget reached", flush=True)
+                break
+            os.environ.pop("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", None)
+            if pps:
+                os.environ["FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM"] = str(pps)
+            try:
+                use(name)
+                plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton")
+                out.fill_(float("nan"))
+                plan.run(**args, out=out)
+                err = accuracy(kw, out)
+                t = time_cuda_graph(lambda i: plan.run(**args, out=out), inner=2, trials=30)
+                P = next(iter(plan.state.values())).split.P
+                print(f"  {label} table={int(kw['block_tables'].shape[1]) * bs} {name} pps={pps or 'default'} P={P}: "
+                      f"{t.median_us:.1f} us ({100 * nbytes / (t.median_us * 1e-6) / 1e9 / copy:.1f}% of copy) "
+                      f"rel.err {err:.2e}", flush=True)
+            except Exception as exc:
+                print(f"  {label} {name} pps={pps}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        del kw, args, out
+        torch.cuda.empty_cache()
+use("base")
+os.environ.pop("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", None)
