@@ -30,6 +30,7 @@ __all__ = [
     "triton_available",
     "triton_interpreter_enabled",
     "triton_runnable",
+    "resident_programs",
     "triton_device_ok",
     "sm_count",
     "flydsl_available",
@@ -166,6 +167,31 @@ def sm_count(device: DeviceLike) -> int:
     policies take the same shape-dependent branches as on a GPU."""
     info = device_info(device)
     return info.multiprocessors if info.type == "cuda" else 132
+
+
+def resident_programs(device: DeviceLike, warps: int, kernel=None) -> int:
+    """How many programs of ``warps`` warps one SM / CU holds at once: from a compiled Triton kernel's
+    registers and shared memory when ``kernel`` (what a launch returned) is given and the device's
+    limits are known, else an estimate (12 one-warp programs: 168 registers each on sm_90). On the
+    CPU (the interpreter runs programs one after another): 1."""
+    info = device_info(device)
+    if info.type != "cuda":
+        return 1
+    guess = max(1, 12 // max(warps, 1))
+    regs = getattr(kernel, "n_regs", None)
+    meta = getattr(kernel, "metadata", None)
+    if not regs or meta is None or is_hip():
+        return guess
+    props = torch.cuda.get_device_properties(info.index)
+    per_sm_regs = int(getattr(props, "regs_per_multiprocessor", 65536))
+    per_sm_smem = int(getattr(props, "shared_memory_per_multiprocessor", 0))
+    per_sm_threads = int(getattr(props, "max_threads_per_multi_processor", 2048))
+    per_warp = -(-int(regs) * 32 // 256) * 256  # registers are allocated per warp in units of 256
+    n = min(per_sm_regs // (per_warp * warps), per_sm_threads // (32 * warps), 32)
+    shared = int(getattr(meta, "shared", 0) or 0)
+    if shared and per_sm_smem:
+        n = min(n, per_sm_smem // (shared + 1024))  # 1 KB per block is reserved by the driver
+    return max(1, n)
 
 
 def flydsl_available() -> bool:

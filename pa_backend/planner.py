@@ -24,7 +24,7 @@ import torch
 
 from backend_core.buffers import DeviceBuffers
 
-__all__ = ["Split", "plan_partitions", "work_rows", "workspace", "reserve", "workspace_bytes"]
+__all__ = ["Split", "plan_partitions", "work_rows", "workspace", "task_queue", "reserve", "workspace_bytes"]
 
 
 # Programs per SM the split-K aims for, and the partition lengths it prefers. Partitions shorter
@@ -98,8 +98,19 @@ def workspace(device: torch.device, items: int, Hkv: int, P: int, BM: int, D: in
             buf[2 * n:n * (D + 2)].view(items, Hkv, P, BM, D))
 
 
+# the partition kernel's task counter (one int32 per device, zero between launches: the kernel's
+# programs take tasks from it, the reduce kernel sets it back to zero)
+_QUEUE = DeviceBuffers("pa task queue", [(torch.int32, True)])
+
+
+def task_queue(device: torch.device) -> torch.Tensor:
+    """The device's task counter of the partition kernel (made zeroed on first use: before CUDA-graph
+    capture, by ``reserve`` or an eager call)."""
+    return _QUEUE.get(device, (1,))[0]
+
+
 def workspace_bytes(device) -> int:
-    return _WS.nbytes(device)
+    return _WS.nbytes(device) + _QUEUE.nbytes(device)
 
 
 def reserve(max_num_seqs: int, Hq: int, Hkv: int, D: int, max_context: int, block_size: int, *,
@@ -124,4 +135,5 @@ def reserve(max_num_seqs: int, Hq: int, Hkv: int, D: int, max_context: int, bloc
                                                MAX_FEW_PROGRAMS_PER_SM).P, BM, D)
                for b in range(1, max_num_seqs + 1))
     _WS.get(device, (need,))
+    task_queue(device)
     return workspace_bytes(device)

@@ -50,6 +50,11 @@ def variant_source(name):
                    "    P = tl.num_programs(2)",
                    "    i_s = tl.program_id(2).to(tl.int64)\n    i_h = tl.program_id(1)\n    i_p = tl.program_id(0)\n"
                    "    P = tl.num_programs(0)")
+    if "smid" in name:  # each live program writes its SM id into m[row 0] (the output is then meaningless)
+        src = _sub(src, "    tl.store(p_ws_m + ws + o_m, b_m, mask=live_p_)",
+                   "    smid = tl.inline_asm_elementwise(\"mov.u32 $0, %smid;\", \"=r,r\", [i_h], dtype=tl.int32,\n"
+                   "                                     is_pure=False, pack=1)\n"
+                   "    tl.store(p_ws_m + ws + o_m, tl.where(o_m == 0, smid.to(tl.float32), b_m), mask=live_p_)")
     return src
 
 
@@ -88,7 +93,7 @@ print(f"copy {copy:.0f} GB/s", flush=True)
 VARIANTS = os.environ.get("PROBE_VARIANTS", "base,exit,pfirst,exit+pfirst").split(",")
 PPS = [int(x) for x in os.environ.get("PROBE_PPS", "0,16,12").split(",")]  # 0: the shipped target
 CASES = [DEFAULT_CONFIGS[0], DEFAULT_CONFIGS[3], DEFAULT_CONFIGS[1], MIXED_CONFIG]
-for ci in [int(i) for i in os.environ.get("PROBE_CASES", "0,1,2,3").split(",")]:
+for ci in [int(i) for i in os.environ.get("PROBE_CASES", "0,1,2,3").split(",") if i]:
     B, ctx, ql, Hq, Hkv, D, bs, scales = CASES[ci]
     if isinstance(ctx, tuple):
         g = torch.Generator().manual_seed(1)
@@ -124,3 +129,94 @@ for ci in [int(i) for i in os.environ.get("PROBE_CASES", "0,1,2,3").split(",")]:
         torch.cuda.empty_cache()
 use("base")
 os.environ.pop("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", None)
+
+# PROBE_ISOLATE=1: which difference between the exact and the 128k table costs the time? The same
+# sequences and pages, timed in turn (twice, to see order effects): the 128k table; the exact table;
+# the 128k table's first columns as a view (exact width, 128k row stride); the 128k table planned
+# with max_context = the context (the exact table's grid, 128k max_tokens).
+if os.environ.get("PROBE_ISOLATE"):
+    for ci in (0, 1):
+        B, ctx, ql, Hq, Hkv, D, bs, scales = CASES[ci]
+        nbytes = kv_bytes(B, ctx, Hkv, D, scales)
+        kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda", table_tokens=TABLE_TOKENS)
+        args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+        out = torch.empty_like(kw["query"])
+        wide = kw["block_tables"]
+        nb = -(-ctx // bs)
+        tables = {"wide": (wide, None), "exact": (wide[:, :nb].contiguous(), None), "view": (wide[:, :nb], None),
+                  "wide+max_context": (wide, ctx)}
+        for rnd in range(2):
+            for name, (bt, mc) in tables.items():
+                kw2 = dict(kw, block_tables=bt)
+                plan = plan_decode(bt, kw["context_lengths"], query_length=ql, max_context=mc, backend="triton")
+                out.fill_(float("nan"))
+                plan.run(**args, out=out)
+                err = accuracy(kw2, out)
+                t = time_cuda_graph(lambda i: plan.run(**args, out=out), inner=2, trials=30)
+                P = next(iter(plan.state.values())).split.P
+                print(f"  isolate B={B} ctx={ctx} Hq={Hq}/{Hkv} round {rnd} {name} (stride {bt.stride(0)}, P={P}): "
+                      f"{t.median_us:.1f} us ({100 * nbytes / (t.median_us * 1e-6) / 1e9 / copy:.1f}% of copy) "
+                      f"rel.err {err:.2e}", flush=True)
+        del kw, args, out, tables, wide
+        torch.cuda.empty_cache()
+
+# PROBE_KERNELS=1: per-kernel device time (torch.profiler) of the partition and reduce kernels at
+# B=81/8k with the grid's P at 14 (the exact table's), 20 and 53 (the 128k table's), and the partition
+# kernel alone.
+if os.environ.get("PROBE_KERNELS"):
+    from torch.profiler import ProfilerActivity, profile
+
+    B, ctx, ql, Hq, Hkv, D, bs, scales = CASES[0]
+    kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda", table_tokens=TABLE_TOKENS)
+    args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+    out = torch.empty_like(kw["query"])
+    for pps in ("0", "12", "8"):  # P = 53, 20, 14 with one-warp programs at B=81
+        os.environ.pop("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", None)
+        if pps != "0":
+            os.environ["FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM"] = pps
+        plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton")
+        for _ in range(5):
+            plan.run(**args, out=out)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(50):
+                plan.run(**args, out=out)
+            torch.cuda.synchronize()
+        P = next(iter(plan.state.values())).split.P
+        for ev in prof.key_averages():
+            if "pa_decode" in ev.key:
+                print(f"  kernels B=81/8k P={P} {ev.key}: {ev.device_time_total / ev.count:.1f} us x {ev.count}",
+                      flush=True)
+    os.environ.pop("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", None)
+
+# PROBE_SMID=1: how are the live programs spread over the SMs when the grid holds dead ones? Each live
+# program records its SM id; printed: live programs per SM (min / max / SMs with none) at P = 14, 20, 53.
+if os.environ.get("PROBE_SMID"):
+    B, ctx, ql, Hq, Hkv, D, bs, scales = CASES[0]
+    kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda", table_tokens=TABLE_TOKENS)
+    args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+    out = torch.empty_like(kw["query"])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for pps in ("8", "12", "0"):
+        os.environ.pop("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", None)
+        if pps != "0":
+            os.environ["FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM"] = pps
+        use("smid")
+        plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton")
+        st = None
+        for rep in range(3):
+            plan.run(**args, out=out)
+            torch.cuda.synchronize()
+            st = next(iter(plan.state.values()))
+            m = st.ws[0]  # [items, Hkv, P, BM]
+            live = 14  # B=81/8k: every sequence splits into 14 partitions
+            ids = m[:, :, :live, 0].flatten().long().cpu()
+            hist = torch.bincount(ids, minlength=sms)
+            order = ids.view(B, live).t().flatten()[:48].tolist()  # dispatch order: x fastest, then z
+            print(f"  smid P={st.split.P} rep {rep}: live per SM min {int(hist.min())} max {int(hist.max())} "
+                  f"SMs with none {int((hist == 0).sum())}; first 48 live programs' SMs {order}", flush=True)
+    use("base")
+    os.environ.pop("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", None)
+from pa_backend import triton as _pt  # noqa: E402
+
+print("resident programs per SM by kernel:", getattr(_pt, "_RESIDENT", {}), flush=True)

@@ -497,3 +497,46 @@ def test_cuda_graph_decode_replays_equal_eager_gpu(n):
             ref_side = H.Side(runner, be, layers, H.decode_batch(runner, rows, seq, locs, dev, n=n))
             ref = H.fp8_reference_attention(case, ref_side, q[:n_live * n])
             _close(got[0], ref)
+
+
+# ------------------------------------------------------------------------------------------
+# GPU: one plan per batch; the layers of a step do not sync the host
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["decode", "mixed"])  # mixed: decode + extend rows, the prefill plan
+def test_one_plan_per_batch_multi_layer_step_does_not_sync_gpu(mode):
+    """init_forward_metadata makes the batch's one plan; a layer's forward (K/V write through the pool,
+    the plan's run; Triton ops) then only launches. After the first layer (launch state: may sync), a
+    4-layer step, each layer with its own cache, K/V and query, runs under
+    torch.cuda.set_sync_debug_mode("error") (a host sync raises) on that one plan, and every layer
+    matches the dequantize reference over its own cache."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    dev = "cuda"
+    case = H.Case(page_size=16, seed=17, **CASES[mode])
+    side, slots = H.build_side(case, "flydsl", device=dev, num_layers=4, pa_impl="triton")
+    be, fb = side.backend, side.forward_batch
+    g = torch.Generator().manual_seed(case.seed)
+    npre, T = sum(case.prefix_lens), sum(case.input_lens)
+    H.populate_prefix(side, case, slots, [tuple(torch.randn(npre, H.HKV, H.HEAD_DIM, generator=g).bfloat16().to(dev)
+                                                for _ in range(2)) for _ in side.layers])
+    # every host-to-device copy before the checked step: per layer q [T, Hq*D], k and v [T, Hkv*D]
+    ins = [tuple(torch.randn(T, h * H.HEAD_DIM, generator=g).bfloat16().to(dev) for h in (H.HQ, H.HKV, H.HKV))
+           for _ in side.layers]
+    with torch.no_grad(), forward_context(ForwardContext(attn_backend=be)):
+        be.init_forward_metadata(fb)
+        plan = be.forward_metadata.plan
+        assert plan.is_decode == (mode == "decode")
+        side.layers[0](*(t.clone() for t in ins[0]), fb)  # first layer: launch state
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs = [layer(q, k, v, fb) for layer, (q, k, v) in zip(side.layers, ins)]  # one step
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert be.forward_metadata.plan is plan and len(plan.state) == 1  # one plan, one launch state
+    for i, (o, (q, _, _)) in enumerate(zip(outs, ins)):
+        _close(o, H.fp8_reference_attention(case, side, q, layer_idx=i))

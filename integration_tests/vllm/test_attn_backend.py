@@ -368,3 +368,59 @@ def test_cuda_graph_replays_equal_eager_gpu(model_dir, ql):
             torch.testing.assert_close(o.float(), eager[:n_live * ql].float(), atol=1e-3, rtol=1e-3)
         want = H.sdpa_reference(q, k_all[:n_live], v_all[:n_live], b, H.D ** -0.5, k_scale=0.5, v_scale=0.5)
         torch.testing.assert_close(got[0].float().cpu(), want, atol=ATOL, rtol=RTOL)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU: one plan per batch; the layers of a step do not sync the host
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name, prefix, query", [
+    ("decode", (14, 33, 5, 47), (1, 1, 1, 1)),  # the decode plan
+    ("mixed", (20, 5, 0, 70), (1, 1, 7, 1)),  # decode + prefill rows: the prefill plan
+])
+def test_one_plan_per_batch_multi_layer_step_does_not_sync_gpu(model_dir, name, prefix, query):
+    """The builder makes the batch's one plan; a layer's do_kv_cache_update + forward then only launches
+    (Triton ops). After the first layer (launch state: may sync), a 4-layer step, each layer with its own
+    cache, K/V and query, runs under torch.cuda.set_sync_debug_mode("error") (a host sync raises) and
+    every layer matches SDPA over its own K/V."""
+    dev, bs = "cuda", 16
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    spec = H.backend_spec(block_size=bs)
+    builder, _ = _builder(model_dir, spec)
+    b = H.Batch(prefix_lens=prefix, query_lens=query, block_size=bs, num_blocks=40, seed=6)
+    rows = H.block_rows(b, max_blocks=8)
+    cam = H.common_metadata(b, rows, device=dev)
+    md = builder.build(0, cam)
+    assert md.plan.is_decode == (name == "decode")
+    impl, layer = H.make_impl(pa_impl="triton"), H.layer_with_scales(0.5, 0.25, device=dev)
+    caches = H.allocate(spec, b.num_blocks, names, "LBHNC", device=dev)
+    g = torch.Generator().manual_seed(13)
+    T = cam.num_actual_tokens
+    args, wants = [], []
+    for n in names:  # every host-to-device copy before the checked step
+        k_all, v_all = H.random_kv(b, g)
+        H.write_prefix(impl, layer, caches[n], b, rows, k_all, v_all, device=dev)
+        k_new, v_new = (t.to(dev) for t in H.new_tokens(b, k_all, v_all))
+        q = torch.randn(T, H.HQ, H.D, generator=g).bfloat16()
+        out = torch.full((T, H.HQ, H.D), float("nan"), dtype=torch.bfloat16, device=dev)
+        args.append((q.to(dev), k_new, v_new, caches[n], out))
+        wants.append(H.sdpa_reference(q, k_all, v_all, b, H.D ** -0.5, k_scale=0.5, v_scale=0.25))
+
+    def attention_layer(q, k, v, kv, out):  # what vLLM runs per attention layer
+        impl.do_kv_cache_update(layer, k, v, kv, cam.slot_mapping)
+        impl.forward(layer, q, k, v, kv, md, out)
+
+    attention_layer(*args[0])  # first layer: launch state
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for a in args:  # one step: every layer on the batch's metadata and plan
+            attention_layer(*a)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert len(md.plan.state) == 1  # one launch state, made by the first layer, run by all
+    for (*_, out), want in zip(args, wants):
+        torch.testing.assert_close(out.float().cpu(), want, atol=ATOL, rtol=RTOL)

@@ -22,7 +22,7 @@ import torch
 from backend_core import platform
 from ..contract import PAProblem, WriteProblem
 from ..fp8 import fp8_max
-from ..planner import FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, plan_partitions, work_rows, workspace
+from ..planner import FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, plan_partitions, task_queue, work_rows, workspace
 
 __all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "split_policy", "reduce_warps"]
 
@@ -204,7 +204,21 @@ class _Launch:
         self.split = plan_partitions(self.items, c.Hkv, bound, platform.sm_count(p.device), p.num_partitions or 0,
                                      *split_policy(self.warps))
         self.ws = workspace(p.device, self.items, c.Hkv, self.split.P, self.BM, self.D) if self.items else None
+        self.queue = task_queue(p.device) if self.items else None
+        self.tasks = self.items * c.Hkv * self.split.P  # the task space's upper bound (shape-only)
+        self.sms = platform.sm_count(p.device) if p.device.type == "cuda" else 4  # interpreter: a few programs
+        self.resident_key = (self.D, self.BM, self.bt, self.warps, self.stages, c.v_transposed, c.k_per_token,
+                             c.v_per_token, not p.is_decode, os.environ.get("FLYDSL_BACKENDS_PA_TRITON_MAXNREG"))
         self.v_maxnum = _v_maxnum(p.device)
+        # a register cap for ptxas (NVIDIA only): more resident programs per SM
+        self.launch_options = {}
+        if os.environ.get("FLYDSL_BACKENDS_PA_TRITON_MAXNREG") and self.v_maxnum:
+            self.launch_options["maxnreg"] = _env_int("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", 0)
+
+
+# programs per SM of each compiled partition kernel (platform.resident_programs), filled by its first
+# launch: the grid of later launches (and of captured graphs) is one wave of resident programs
+_RESIDENT: dict = {}
 
 
 def launch_state(p: PAProblem) -> _Launch:
@@ -233,9 +247,10 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
     sp = L.split
     ws_m, ws_l, ws_acc = L.ws
     kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
-    pa_decode_partition_kernel[(L.items, c.Hkv, sp.P)](
-        p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc,
-        p.softmax_scale, p.sliding_window, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens, sp.long_tokens,
+    per_sm = _RESIDENT.get(L.resident_key) or platform.resident_programs(p.device, L.warps)
+    k = pa_decode_partition_kernel[(max(1, min(L.tasks, L.sms * per_sm)),)](
+        p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc, L.queue,
+        L.items, sp.P, p.softmax_scale, p.sliding_window, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens, sp.long_tokens,
         p.query.stride(0), p.query.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
@@ -244,10 +259,12 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         p.block_tables.stride(0), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=L.bt, ALIGN=L.align,
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
-        V_MAXNUM=L.v_maxnum, num_warps=L.warps, num_stages=L.stages,
+        V_MAXNUM=L.v_maxnum, num_warps=L.warps, num_stages=L.stages, **L.launch_options,
     )
+    if L.resident_key not in _RESIDENT:
+        _RESIDENT[L.resident_key] = platform.resident_programs(p.device, L.warps, k)
     pa_decode_reduce_kernel[(L.items, c.Hkv)](
-        ws_m, ws_l, ws_acc, p.sinks if p.sinks is not None else ws_m, p.out, p.context_lengths, chunks,
+        ws_m, ws_l, ws_acc, p.sinks if p.sinks is not None else ws_m, p.out, p.context_lengths, chunks, L.queue,
         p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
         p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
