@@ -13,18 +13,19 @@ import os
 import re
 import subprocess
 import tempfile
-from typing import Dict, Iterable, Mapping
+from typing import Dict, Iterable, Mapping, Optional
 
 __all__ = ["ptxas_report"]
 
 
 def ptxas_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, object],
                  divisible: Iterable[str] = (), num_warps: int = 4, capability: int = 90,
-                 num_stages: int = 3) -> Dict[str, int]:
+                 num_stages: int = 3, maxnreg: Optional[int] = None) -> Dict[str, int]:
     """Compile ``kernel`` (a ``triton.jit`` function) and return its ptxas resource numbers.
 
     ``types``: Triton type strings ("*fp32", "i32", ...) of the runtime arguments; every other
     parameter must be in ``constexprs``. ``divisible``: arguments to mark 16-divisible.
+    ``maxnreg``: the register cap the launch passes (None: ptxas chooses).
     """
     import triton
     from triton.backends.compiler import GPUTarget
@@ -43,7 +44,8 @@ def ptxas_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, obje
         else:
             raise ValueError(f"ptxas_report: no type or constexpr value for argument {n!r}")
     src = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs), attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps, "num_stages": num_stages,
+                                                                             **({"maxnreg": maxnreg} if maxnreg else {})})
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])

@@ -98,15 +98,15 @@ def workspace(device: torch.device, items: int, Hkv: int, P: int, BM: int, D: in
             buf[2 * n:n * (D + 2)].view(items, Hkv, P, BM, D))
 
 
-# the partition kernel's task counter (one int32 per device, zero between launches: the kernel's
-# programs take tasks from it, the reduce kernel sets it back to zero)
+# the partition kernel's task counter and per-SM program counters (int32 per device, zero between
+# launches: the kernel's programs take tasks from it, the reduce kernel sets it back to zero)
 _QUEUE = DeviceBuffers("pa task queue", [(torch.int32, True)])
 
 
 def task_queue(device: torch.device) -> torch.Tensor:
     """The device's task counter of the partition kernel (made zeroed on first use: before CUDA-graph
     capture, by ``reserve`` or an eager call)."""
-    return _QUEUE.get(device, (1,))[0]
+    return _QUEUE.get(device, (1 + 1024,))[0]
 
 
 def workspace_bytes(device) -> int:

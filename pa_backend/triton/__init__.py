@@ -24,7 +24,8 @@ from ..contract import PAProblem, WriteProblem
 from ..fp8 import fp8_max
 from ..planner import FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, plan_partitions, task_queue, work_rows, workspace
 
-__all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "split_policy", "reduce_warps"]
+__all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "split_policy", "reduce_warps",
+           "register_cap"]
 
 
 def available() -> Tuple[bool, str]:
@@ -112,6 +113,18 @@ def prefill_tiling(D: int, G: int, block_size: int = 16) -> Tuple[int, int, int,
         bt, warps, stages = 64, 8, 2
     return (rows, _env_int("FLYDSL_BACKENDS_PA_PREFILL_BT", bt), _env_int("FLYDSL_BACKENDS_PA_PREFILL_WARPS", warps),
             _env_int("FLYDSL_BACKENDS_PA_PREFILL_STAGES", stages))
+
+
+def register_cap(warps: int):
+    """ptxas' register cap for partition programs of ``warps`` warps on NVIDIA (None: no cap). One-warp
+    programs: 168, so 12 fit an SM. Without it the task-queue loop compiles to 207 registers (9 per
+    SM) and ran B=81/8k in 129 us instead of 81 us (H200, benchmarks/pa_probe/grid_H200_2026-12-04.txt;
+    a cap of 184, 11 per SM: 128 us). FLYDSL_BACKENDS_PA_TRITON_MAXNREG overrides it (0: no cap)."""
+    raw = os.environ.get("FLYDSL_BACKENDS_PA_TRITON_MAXNREG")
+    if raw is not None:
+        v = _env_int("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", 1) if raw.strip() not in ("", "0") else 0
+        return v or None
+    return 168 if warps == 1 else None
 
 
 def reduce_warps(D: int, BM: int) -> int:
@@ -208,12 +221,12 @@ class _Launch:
         self.tasks = self.items * c.Hkv * self.split.P  # the task space's upper bound (shape-only)
         self.sms = platform.sm_count(p.device) if p.device.type == "cuda" else 4  # interpreter: a few programs
         self.resident_key = (self.D, self.BM, self.bt, self.warps, self.stages, c.v_transposed, c.k_per_token,
-                             c.v_per_token, not p.is_decode, os.environ.get("FLYDSL_BACKENDS_PA_TRITON_MAXNREG"))
+                             c.v_per_token, not p.is_decode, register_cap(self.warps))
         self.v_maxnum = _v_maxnum(p.device)
-        # a register cap for ptxas (NVIDIA only): more resident programs per SM
-        self.launch_options = {}
-        if os.environ.get("FLYDSL_BACKENDS_PA_TRITON_MAXNREG") and self.v_maxnum:
-            self.launch_options["maxnreg"] = _env_int("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", 0)
+        # per-SM program counters (NVIDIA: %smid): a power of two >= the SM count
+        self.sm_slots = 1 << (self.sms - 1).bit_length() if self.v_maxnum else 0
+        cap = register_cap(self.warps) if self.v_maxnum else None  # NVIDIA only
+        self.launch_options = {"maxnreg": cap} if cap else {}
 
 
 # programs per SM of each compiled partition kernel (platform.resident_programs), filled by its first
@@ -250,7 +263,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
     per_sm = _RESIDENT.get(L.resident_key) or platform.resident_programs(p.device, L.warps)
     k = pa_decode_partition_kernel[(max(1, min(L.tasks, L.sms * per_sm)),)](
         p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc, L.queue,
-        L.items, sp.P, p.softmax_scale, p.sliding_window, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens, sp.long_tokens,
+        L.items, sp.P, L.sms, p.softmax_scale, p.sliding_window, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens, sp.long_tokens,
         p.query.stride(0), p.query.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
@@ -259,7 +272,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         p.block_tables.stride(0), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=L.bt, ALIGN=L.align,
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
-        V_MAXNUM=L.v_maxnum, num_warps=L.warps, num_stages=L.stages, **L.launch_options,
+        V_MAXNUM=L.v_maxnum, SM_SLOTS=L.sm_slots, num_warps=L.warps, num_stages=L.stages, **L.launch_options,
     )
     if L.resident_key not in _RESIDENT:
         _RESIDENT[L.resident_key] = platform.resident_programs(p.device, L.warps, k)
@@ -268,7 +281,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
         p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
-        RAGGED=not p.is_decode, num_warps=reduce_warps(L.D, L.BM),
+        RAGGED=not p.is_decode, SM_SLOTS=L.sm_slots, num_warps=reduce_warps(L.D, L.BM),
     )
     return p.out
 

@@ -210,7 +210,7 @@ def _max_partitions(p_cl, stride_cl, n_items, nrows, sliding_window, P, few_targ
 @triton.jit
 def pa_decode_partition_kernel(
     p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_queue,
-    n_items, P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
+    n_items, P, num_sms, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
     stride_q_t, stride_q_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
@@ -219,7 +219,7 @@ def pa_decode_partition_kernel(
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BT: tl.constexpr, ALIGN: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
-    V_MAXNUM: tl.constexpr,
+    V_MAXNUM: tl.constexpr, SM_SLOTS: tl.constexpr,
 ):
     o_m = tl.arange(0, BM)
     o_d = tl.arange(0, D)
@@ -234,7 +234,18 @@ def pa_decode_partition_kernel(
         n_part = _max_partitions(p_cl, stride_cl, n_items, QL, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
     per_part = n_items * HKV
     n_tasks = n_part * per_part
-    t = tl.atomic_add(p_queue, 1, sem="relaxed")
+    t = n_tasks
+    if SM_SLOTS > 0:
+        # at most ceil(tasks / SMs) programs of one SM take tasks: the hardware fills some SMs' slots
+        # before others' when the grid is near a full wave, and fewer tasks than programs would
+        # otherwise pile onto those SMs (p_queue[1 + sm] counts the SM's programs)
+        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [n_items], dtype=tl.int32, is_pure=False,
+                                       pack=1)
+        rank = tl.atomic_add(p_queue + 1 + sm % SM_SLOTS, 1, sem="relaxed")
+        if rank < tl.cdiv(n_tasks, num_sms):
+            t = tl.atomic_add(p_queue, 1, sem="relaxed")
+    else:
+        t = tl.atomic_add(p_queue, 1, sem="relaxed")
     while t < n_tasks:
         i_p = n_part - 1 - t // per_part
         i_s = ((t % per_part) // HKV).to(tl.int64)
@@ -305,12 +316,15 @@ def pa_decode_reduce_kernel(
     sliding_window, few_target, min_pt, long_pt, P,
     stride_o_t, stride_o_h, stride_cl,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
-    ALIGN: tl.constexpr, HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr,
+    ALIGN: tl.constexpr, HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr, SM_SLOTS: tl.constexpr,
 ):
     i_s = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
     if (i_s == 0) & (i_h == 0):  # the partition kernel has drained the task queue: ready for the next launch
         tl.store(p_queue, 0)
+        if SM_SLOTS > 0:
+            o_sm = tl.arange(0, SM_SLOTS)
+            tl.store(p_queue + 1 + o_sm, tl.zeros([SM_SLOTS], tl.int32))
     o_m = tl.arange(0, BM)
     o_d = tl.arange(0, D)
     row = o_m // G

@@ -29,7 +29,7 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
     for n in inspect.signature(fn.fn).parameters:
         if n in ("p_kc", "p_vc"):
             types[n] = "*fp8e4nv"
-        elif n in ("p_bt", "p_cl", "p_slots", "p_chunks"):
+        elif n in ("p_bt", "p_cl", "p_slots", "p_chunks", "p_queue"):
             types[n] = "*i32"
         elif n in ("p_q", "p_out", "p_k", "p_v"):
             types[n] = "*bf16"
@@ -38,9 +38,10 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
         elif n == "softmax_scale":
             types[n] = "fp32"
         elif n.startswith("stride_") or n in ("sliding_window", "capacity", "max_tokens", "num_blocks", "few_target",
-                                              "min_pt", "long_pt", "P"):
+                                              "min_pt", "long_pt", "P", "n_items", "num_sms"):
             types[n] = "i32"
     BM = M
+    maxnreg = None
     if kernel == "partition":
         from . import decode_tiling
 
@@ -52,7 +53,10 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
             G, QL = 4, M // 4
             _, bt, warps, stages = prefill_tiling(D, G, block_size)
         constexprs = dict(HKV=1, G=G, QL=QL, BM=BM, D=D, BS=block_size, BT=bt, ALIGN=max(bt, block_size), V5D=v5d,
-                          K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged, V_MAXNUM=True)
+                          K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged, V_MAXNUM=True, SM_SLOTS=256)
+        from . import register_cap
+
+        maxnreg = register_cap(warps)
     elif kernel == "write":
         constexprs = dict(D=D, BS=block_size, FMAX=448.0, MIN_EXP=-6, V5D=v5d, K_PER_TOKEN=per_token,
                           V_PER_TOKEN=per_token)
@@ -61,7 +65,7 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
     else:
         from . import reduce_warps
 
-        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, ALIGN=64, HAS_SINKS=True, RAGGED=ragged)
+        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, ALIGN=64, HAS_SINKS=True, RAGGED=ragged, SM_SLOTS=256)
         warps, stages = reduce_warps(D, BM), 3
     if kernel in ("partition", "write") and not v5d:
         # Triton specializes an integer argument equal to 1 as a constant at launch: the 4-D V
@@ -69,4 +73,4 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
         types.pop("stride_vc_3")
         constexprs["stride_vc_3"] = 1
     divisible = [n for n in types if n.startswith(("p_", "stride_"))]
-    return _ptxas_report(fn, types, constexprs, divisible, warps, num_stages=stages)
+    return _ptxas_report(fn, types, constexprs, divisible, warps, num_stages=stages, maxnreg=maxnreg)
