@@ -217,6 +217,9 @@ class _Launch:
         self.split = plan_partitions(self.items, c.Hkv, bound, platform.sm_count(p.device), p.num_partitions or 0,
                                      *split_policy(self.warps))
         self.ws = workspace(p.device, self.items, c.Hkv, self.split.P, self.BM, self.D) if self.items else None
+        # one-warp decode programs take tasks from a device queue (pa_decode.py): a grid of dead programs
+        # past each sequence's split cost B=81/8k 11 us at 128k tables; larger programs keep the grid
+        self.queue_mode = p.is_decode and self.warps == 1 and not p.num_partitions
         self.queue = task_queue(p.device) if self.items else None
         self.tasks = self.items * c.Hkv * self.split.P  # the task space's upper bound (shape-only)
         self.sms = platform.sm_count(p.device) if p.device.type == "cuda" else 4  # interpreter: a few programs
@@ -260,10 +263,15 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
     sp = L.split
     ws_m, ws_l, ws_acc = L.ws
     kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
-    per_sm = _RESIDENT.get(L.resident_key) or platform.resident_programs(p.device, L.warps)
-    k = pa_decode_partition_kernel[(max(1, min(L.tasks, L.sms * per_sm)),)](
+    if L.queue_mode:  # one wave of resident programs
+        per_sm = _RESIDENT.get(L.resident_key) or platform.resident_programs(p.device, L.warps)
+        grid = (max(1, min(L.tasks, L.sms * per_sm)),)
+    else:
+        grid = (L.items, c.Hkv, sp.P)
+    k = pa_decode_partition_kernel[grid](
         p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc, L.queue,
-        L.items, sp.P, L.sms, p.softmax_scale, p.sliding_window, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens, sp.long_tokens,
+        L.items, sp.P, L.sms, p.softmax_scale, p.sliding_window, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens,
+        sp.long_tokens,
         p.query.stride(0), p.query.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
@@ -272,16 +280,17 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         p.block_tables.stride(0), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=L.bt, ALIGN=L.align,
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
-        V_MAXNUM=L.v_maxnum, SM_SLOTS=L.sm_slots, num_warps=L.warps, num_stages=L.stages, **L.launch_options,
+        V_MAXNUM=L.v_maxnum, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots, num_warps=L.warps, num_stages=L.stages, **L.launch_options,
     )
-    if L.resident_key not in _RESIDENT:
+    if L.queue_mode and L.resident_key not in _RESIDENT:
         _RESIDENT[L.resident_key] = platform.resident_programs(p.device, L.warps, k)
     pa_decode_reduce_kernel[(L.items, c.Hkv)](
         ws_m, ws_l, ws_acc, p.sinks if p.sinks is not None else ws_m, p.out, p.context_lengths, chunks, L.queue,
         p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
         p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
-        RAGGED=not p.is_decode, SM_SLOTS=L.sm_slots, num_warps=reduce_warps(L.D, L.BM),
+        RAGGED=not p.is_decode, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots,
+        num_warps=reduce_warps(L.D, L.BM),
     )
     return p.out
 

@@ -208,6 +208,84 @@ def _max_partitions(p_cl, stride_cl, n_items, nrows, sliding_window, P, few_targ
 
 
 @triton.jit
+def _partition_task(
+    i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
+    P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
+    stride_q_t, stride_q_h,
+    stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
+    stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
+    stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
+    stride_bt_s, stride_cl,
+    HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    BT: tl.constexpr, ALIGN: tl.constexpr,
+    V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
+    V_MAXNUM: tl.constexpr,
+):
+    """Partition i_p of KV head i_h of work item i_s: its tiles, then its (m, l, acc) partial."""
+    o_m = tl.arange(0, BM)
+    o_d = tl.arange(0, D)
+    row = o_m // G  # query row within the sequence (decode) or chunk (prefill)
+    grp = o_m % G
+    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
+    m_valid = (o_m < G * QL) & (row < nrows)
+    p_qrow = p_q + (q0 + row)[:, None] * stride_q_t + (i_h * G + grp)[:, None] * stride_q_h + o_d[None, :]
+    # Q scaled per row by a power of two (exact) into FP16's range
+    b_qf = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(tl.float32)
+    q_e = tl.max(tl.abs(b_qf), 1).to(tl.int32, bitcast=True) & 0x7F800000
+    q_pow = tl.where(q_e > 0, q_e.to(tl.float32, bitcast=True), 1.0)
+    b_q = (b_qf * (1.0 / q_pow)[:, None]).to(tl.float16)
+    last = ctx - nrows + row  # row sees tokens first..last
+    first = tl.where(sliding_window > 0, last - sliding_window + 1, 0)
+
+    lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
+    live_p_ = i_p < n_live
+    start = lo + i_p * pt
+    end = tl.minimum(tl.minimum(start + pt, ctx), max_tokens)  # never past the table row
+    end = tl.maximum(end, start)  # partitions past the span (start >= ctx) have no tiles
+    # Tiles [u0, u1) are seen whole by every query row (keys up to the first row's position, from
+    # the last row's window start): no masking there. The rest of [start, end) — a sliding
+    # window's edge before u0, the causal diagonal and the context's end after u1 — is masked.
+    full_lo = tl.where(sliding_window > 0, ctx - sliding_window, 0)  # the last row's first visible token
+    full_hi = tl.minimum(ctx - nrows + 1, end)  # the first row sees tokens < ctx - nrows + 1
+    u0 = tl.minimum(start + tl.cdiv(tl.maximum(full_lo - start, 0), BT) * BT, end)
+    u1 = tl.minimum(tl.maximum(start + (tl.maximum(full_hi - start, 0) // BT) * BT, u0), end)
+    n_pre = tl.cdiv(u0 - start, BT)
+    n_full = (u1 - u0) // BT
+    n_masked = n_pre + tl.cdiv(end - u1, BT)
+    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    b_acc = tl.zeros([BM, D], dtype=tl.float32)
+    qk_scale = softmax_scale * 1.4426950408889634  # scores in log2 units: exp2 below
+    if not K_PER_TOKEN:
+        qk_scale = qk_scale * tl.load(p_ks)
+    row_scale = qk_scale * q_pow
+    # dynamic trip counts: the partition's own tiles, whatever the table width
+    for jt in tl.range(0, n_full):
+        b_m, b_l, b_acc = _attend_tile(
+            b_m, b_l, b_acc, b_q, row_scale, last, first, m_valid, u0 + jt * BT, end,
+            p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
+            stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
+            stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
+            D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, False)
+    # a few tiles per partition: 2 stages (fewer registers than the steady loop; the sm_90 resource test)
+    for jt in tl.range(0, n_masked, num_stages=2):
+        tile_start = tl.where(jt < n_pre, start + jt * BT, u1 + (jt - n_pre) * BT)
+        b_m, b_l, b_acc = _attend_tile(
+            b_m, b_l, b_acc, b_q, row_scale, last, first, m_valid, tile_start, end,
+            p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
+            stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
+            stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
+            D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, True)
+    if not V_PER_TOKEN:
+        b_acc = b_acc * tl.load(p_vs)
+    b_m = b_m * 0.6931471805599453  # back to natural-log units for the reduce (and the sinks)
+    ws = ((i_s * HKV + i_h) * P + i_p) * BM
+    tl.store(p_ws_m + ws + o_m, b_m, mask=live_p_)
+    tl.store(p_ws_l + ws + o_m, b_l, mask=live_p_)
+    tl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], b_acc, mask=live_p_)
+
+
+@triton.jit
 def pa_decode_partition_kernel(
     p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_queue,
     n_items, P, num_sms, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
@@ -219,95 +297,46 @@ def pa_decode_partition_kernel(
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BT: tl.constexpr, ALIGN: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
-    V_MAXNUM: tl.constexpr, SM_SLOTS: tl.constexpr,
+    V_MAXNUM: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr,
 ):
-    o_m = tl.arange(0, BM)
-    o_d = tl.arange(0, D)
-    row = o_m // G  # query row within the sequence (decode) or chunk (prefill)
-    grp = o_m % G
-    # tasks (item, KV head, partition), partition-major from the highest partition down (the long
-    # sequences' partitions first, the short ones' last); decode bounds the partitions by the batch's
-    # longest split, prefill by the plan's P
-    if RAGGED:
-        n_part = P
+    if not QUEUE:  # grid (items, Hkv, P): one task per program
+        _partition_task(tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2),
+                        p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
+                P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
+                stride_q_t, stride_q_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
+                stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
+                stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
+                V_MAXNUM)
     else:
-        n_part = _max_partitions(p_cl, stride_cl, n_items, QL, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
-    per_part = n_items * HKV
-    n_tasks = n_part * per_part
-    t = n_tasks
-    if SM_SLOTS > 0:
-        # at most ceil(tasks / SMs) programs of one SM take tasks: the hardware fills some SMs' slots
-        # before others' when the grid is near a full wave, and fewer tasks than programs would
-        # otherwise pile onto those SMs (p_queue[1 + sm] counts the SM's programs)
-        sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [n_items], dtype=tl.int32, is_pure=False,
-                                       pack=1)
-        rank = tl.atomic_add(p_queue + 1 + sm % SM_SLOTS, 1, sem="relaxed")
-        if rank < tl.cdiv(n_tasks, num_sms):
+        # tasks (item, KV head, partition), partition-major from the highest partition down (the
+        # long sequences' partitions first, the short ones' last), bounded by the batch's longest split
+        n_part = _max_partitions(p_cl, stride_cl, n_items, QL, sliding_window, P, few_target, min_pt, long_pt,
+                                 ALIGN)
+        per_part = n_items * HKV
+        n_tasks = n_part * per_part
+        t = n_tasks
+        if SM_SLOTS > 0:
+            # at most ceil(tasks / SMs) programs of one SM take tasks: the hardware fills some SMs'
+            # slots before others' when the grid is near a full wave, and fewer tasks than programs
+            # would otherwise pile onto those SMs (p_queue[1 + sm] counts the SM's programs)
+            sm = tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [n_items], dtype=tl.int32, is_pure=False,
+                                           pack=1)
+            rank = tl.atomic_add(p_queue + 1 + sm % SM_SLOTS, 1, sem="relaxed")
+            if rank < tl.cdiv(n_tasks, num_sms):
+                t = tl.atomic_add(p_queue, 1, sem="relaxed")
+        else:
             t = tl.atomic_add(p_queue, 1, sem="relaxed")
-    else:
-        t = tl.atomic_add(p_queue, 1, sem="relaxed")
-    while t < n_tasks:
-        i_p = n_part - 1 - t // per_part
-        i_s = ((t % per_part) // HKV).to(tl.int64)
-        i_h = t % HKV
-        seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
-        m_valid = (o_m < G * QL) & (row < nrows)
-        p_qrow = p_q + (q0 + row)[:, None] * stride_q_t + (i_h * G + grp)[:, None] * stride_q_h + o_d[None, :]
-        # Q scaled per row by a power of two (exact) into FP16's range
-        b_qf = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(tl.float32)
-        q_e = tl.max(tl.abs(b_qf), 1).to(tl.int32, bitcast=True) & 0x7F800000
-        q_pow = tl.where(q_e > 0, q_e.to(tl.float32, bitcast=True), 1.0)
-        b_q = (b_qf * (1.0 / q_pow)[:, None]).to(tl.float16)
-        last = ctx - nrows + row  # row sees tokens first..last
-        first = tl.where(sliding_window > 0, last - sliding_window + 1, 0)
-
-        lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
-        live_p_ = i_p < n_live
-        start = lo + i_p * pt
-        end = tl.minimum(tl.minimum(start + pt, ctx), max_tokens)  # never past the table row
-        end = tl.maximum(end, start)  # partitions past the span (start >= ctx) have no tiles
-        # Tiles [u0, u1) are seen whole by every query row (keys up to the first row's position, from
-        # the last row's window start): no masking there. The rest of [start, end) — a sliding
-        # window's edge before u0, the causal diagonal and the context's end after u1 — is masked.
-        full_lo = tl.where(sliding_window > 0, ctx - sliding_window, 0)  # the last row's first visible token
-        full_hi = tl.minimum(ctx - nrows + 1, end)  # the first row sees tokens < ctx - nrows + 1
-        u0 = tl.minimum(start + tl.cdiv(tl.maximum(full_lo - start, 0), BT) * BT, end)
-        u1 = tl.minimum(tl.maximum(start + (tl.maximum(full_hi - start, 0) // BT) * BT, u0), end)
-        n_pre = tl.cdiv(u0 - start, BT)
-        n_full = (u1 - u0) // BT
-        n_masked = n_pre + tl.cdiv(end - u1, BT)
-        b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
-        b_l = tl.zeros([BM], dtype=tl.float32)
-        b_acc = tl.zeros([BM, D], dtype=tl.float32)
-        qk_scale = softmax_scale * 1.4426950408889634  # scores in log2 units: exp2 below
-        if not K_PER_TOKEN:
-            qk_scale = qk_scale * tl.load(p_ks)
-        row_scale = qk_scale * q_pow
-        # dynamic trip counts: the partition's own tiles, whatever the table width
-        for jt in tl.range(0, n_full):
-            b_m, b_l, b_acc = _attend_tile(
-                b_m, b_l, b_acc, b_q, row_scale, last, first, m_valid, u0 + jt * BT, end,
-                p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
-                stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
-                stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
-                D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, False)
-        # a few tiles per partition: 2 stages (fewer registers than the steady loop; the sm_90 resource test)
-        for jt in tl.range(0, n_masked, num_stages=2):
-            tile_start = tl.where(jt < n_pre, start + jt * BT, u1 + (jt - n_pre) * BT)
-            b_m, b_l, b_acc = _attend_tile(
-                b_m, b_l, b_acc, b_q, row_scale, last, first, m_valid, tile_start, end,
-                p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
-                stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
-                stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
-                D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, True)
-        if not V_PER_TOKEN:
-            b_acc = b_acc * tl.load(p_vs)
-        b_m = b_m * 0.6931471805599453  # back to natural-log units for the reduce (and the sinks)
-        ws = ((i_s * HKV + i_h) * P + i_p) * BM
-        tl.store(p_ws_m + ws + o_m, b_m, mask=live_p_)
-        tl.store(p_ws_l + ws + o_m, b_l, mask=live_p_)
-        tl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], b_acc, mask=live_p_)
-        t = tl.atomic_add(p_queue, 1, sem="relaxed")
+        while t < n_tasks:
+            i_p = n_part - 1 - t // per_part
+            i_s = ((t % per_part) // HKV).to(tl.int64)
+            i_h = t % HKV
+            _partition_task(i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
+                P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
+                stride_q_t, stride_q_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
+                stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
+                stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
+                V_MAXNUM)
+            t = tl.atomic_add(p_queue, 1, sem="relaxed")
 
 
 @triton.jit
@@ -316,15 +345,16 @@ def pa_decode_reduce_kernel(
     sliding_window, few_target, min_pt, long_pt, P,
     stride_o_t, stride_o_h, stride_cl,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
-    ALIGN: tl.constexpr, HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr, SM_SLOTS: tl.constexpr,
+    ALIGN: tl.constexpr, HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr,
 ):
     i_s = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
-    if (i_s == 0) & (i_h == 0):  # the partition kernel has drained the task queue: ready for the next launch
-        tl.store(p_queue, 0)
-        if SM_SLOTS > 0:
-            o_sm = tl.arange(0, SM_SLOTS)
-            tl.store(p_queue + 1 + o_sm, tl.zeros([SM_SLOTS], tl.int32))
+    if QUEUE:
+        if (i_s == 0) & (i_h == 0):  # the partition kernel has drained the task queue: ready for the next launch
+            tl.store(p_queue, 0)
+            if SM_SLOTS > 0:
+                o_sm = tl.arange(0, SM_SLOTS)
+                tl.store(p_queue + 1 + o_sm, tl.zeros([SM_SLOTS], tl.int32))
     o_m = tl.arange(0, BM)
     o_d = tl.arange(0, D)
     row = o_m // G

@@ -16,7 +16,11 @@ SHIPPED_CONFIGS = [(D, bs, m, v5, pt) for D in (64, 128, 256) for bs in (16, 64,
 # Spill bytes (stores) allowed per configuration; every other shipped configuration must not spill.
 # Prefill D=128, M=256 (8 warps): 164 bytes with Triton 3.6, and on the H200 25% faster than the best
 # spill-free setting (prefill_tiling's docstring has the figures).
-SPILL_ALLOWED = {("prefill", 128, 256): 512}
+# Decode D=128, M=16, one warp, task queue, capped at 168 registers (register_cap: 12 programs per SM):
+# 4 bytes with tensor scales (H200: B=81/8k 82 us; uncapped, 207 registers and 9 per SM, 129 us), 48 with
+# the 5-D V layout and per-token scales (not timed on the GPU; the 4-D layout with per-token scales ran
+# B=81/8k in 89 us against 99.5 us before the queue).
+SPILL_ALLOWED = {("prefill", 128, 256): 512, (128, 16, 16, False, False): 4, (128, 16, 16, True, True): 48}
 
 
 def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = False, per_token: bool = False,
@@ -53,7 +57,8 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
             G, QL = 4, M // 4
             _, bt, warps, stages = prefill_tiling(D, G, block_size)
         constexprs = dict(HKV=1, G=G, QL=QL, BM=BM, D=D, BS=block_size, BT=bt, ALIGN=max(bt, block_size), V5D=v5d,
-                          K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged, V_MAXNUM=True, SM_SLOTS=256)
+                          K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged, V_MAXNUM=True,
+                          QUEUE=warps == 1 and not ragged, SM_SLOTS=256)
         from . import register_cap
 
         maxnreg = register_cap(warps)
@@ -65,7 +70,8 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
     else:
         from . import reduce_warps
 
-        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, ALIGN=64, HAS_SINKS=True, RAGGED=ragged, SM_SLOTS=256)
+        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, ALIGN=64, HAS_SINKS=True, RAGGED=ragged, QUEUE=True,
+                          SM_SLOTS=256)
         warps, stages = reduce_warps(D, BM), 3
     if kernel in ("partition", "write") and not v5d:
         # Triton specializes an integer argument equal to 1 as a constant at launch: the 4-D V
