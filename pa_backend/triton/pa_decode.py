@@ -2,15 +2,24 @@
 #
 # Design
 # ------
-# Partition kernel, grid (work items, Hkv, P). Program (s, h, p) owns KV head h of item s (a
-# sequence in decode, a chunk of query rows in prefill) and partition p of the tokens that item
-# can see. P (the grid) is a shape-only upper bound from the plan; the split itself is made on the
-# device from the item's real context: the visible span [lo, ctx) (lo > 0 only under a sliding
-# window) is cut into P_s <= P partitions of PT_s tokens (a multiple of ALIGN = max(BT, block
-# size)), with P_s chosen per item like the planner does (enough programs to fill the GPU, no
-# partition shorter than MIN_PT, long ones preferred). Programs p >= P_s exit at once and the
-# reduce reads only the P_s partials, so the work follows each sequence's context whatever the
-# block table's width, and a captured CUDA graph replays with any context lengths.
+# Partition kernel. A task (s, h, p) is KV head h of item s (a sequence in decode, a chunk of query
+# rows in prefill) and partition p of the tokens that item can see. P is a shape-only upper bound from
+# the plan; the split itself is made on the device from the item's real context: the visible span
+# [lo, ctx) (lo > 0 only under a sliding window) is cut into P_s <= P partitions of PT_s tokens (a
+# multiple of ALIGN = max(BT, block size)), with P_s chosen per item like the planner does (enough
+# programs to fill the GPU, no partition shorter than MIN_PT, long ones preferred). Tasks p >= P_s do
+# no work and the reduce reads only the P_s partials, so the work follows each sequence's context
+# whatever the block table's width, and a captured CUDA graph replays with any context lengths.
+# Two ways to launch the tasks (QUEUE):
+# * grid (items, Hkv, P), one task per program (prefill, and decode programs of 4 or 8 warps);
+# * a task queue (one-warp decode programs): a grid of one wave of resident programs takes tasks from
+#   a device counter (partition-major from the batch's longest split down: long partitions first).
+#   A shape-only grid at a 128k-token table carries ~3 programs past each sequence's split per live
+#   one, and the hardware then places the live ones unevenly (up to 12 on some SMs, 8 on others:
+#   H200, benchmarks/pa_probe/grid_H200_2026-12-04.txt): B=81/8k ran 89 us against 78 us with an
+#   exact-width table. With the queue the programs of one SM that take tasks are capped at
+#   ceil(tasks / SMs) (per-SM counters by %smid), the batch's longest split bounds the task space, and
+#   the reduce kernel sets the counters back to zero for the next launch.
 # The M dimension of the dots is the GQA group times the query rows: row m = i*G + g is query row
 # i for query head h*G + g (M = G*QL padded to BM >= 16), so one KV read serves every query head
 # that shares it.
