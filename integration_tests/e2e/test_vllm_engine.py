@@ -41,7 +41,7 @@ def _engine(model_dir, **kw):
     from vllm import LLM
 
     return LLM(model=str(model_dir), skip_tokenizer_init=True, attention_backend="FLYDSL", kv_cache_dtype="fp8",
-               block_size=16, dtype="bfloat16", seed=0, enforce_eager=True,
+               block_size=16, dtype="bfloat16", seed=0, enforce_eager=kw.pop("enforce_eager", True),
                compilation_config={"custom_ops": ["none"]}, max_num_seqs=16,
                # an explicit KV size: the CPU worker's default sizing counts every process on the node
                kv_cache_memory_bytes=kw.pop("kv_cache_memory_bytes", 512 << 20), **kw)
@@ -146,3 +146,32 @@ def test_ngram_speculative_decoding(model_dir):
     for p, g in zip(prompts, gen):
         assert tm.copy_rule_agreement(p, g) == 1.0, (p, g)
     assert 4 in seen, f"no 4-token verify batch ran on the decode path (query lengths seen: {sorted(set(seen))})"
+
+
+def test_torch_compiled_model(model_dir, tmp_path, monkeypatch):
+    """The model under torch.compile (enforce_eager=False: the compilation mode the CPU platform
+    picks, inductor; CUDA graphs do not exist on the CPU) with the FLYDSL attention inside the
+    compiled graph as vLLM's attention custom op: greedy tokens follow the copy rule and equal HF's,
+    and the batches ran through this project's plans."""
+    import pa_backend.vllm as pav
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))  # a fresh compile cache: the compile itself runs
+    plans = []
+    real_decode, real_prefill = pav.plan_decode, pav.plan_prefill
+    monkeypatch.setattr(pav, "plan_decode", lambda *a, **k: plans.append("decode") or real_decode(*a, **k))
+    monkeypatch.setattr(pav, "plan_prefill", lambda *a, **k: plans.append("prefill") or real_prefill(*a, **k))
+    llm = _engine(model_dir, max_model_len=4096, enforce_eager=False)
+    try:
+        from vllm.config import CompilationMode
+
+        mode = llm.llm_engine.vllm_config.compilation_config.mode
+        assert mode != CompilationMode.NONE, mode
+        prompts = tm.prompts(8, seed=6)
+        gen = _generate(llm, prompts, n=16)
+    finally:
+        del llm
+        gc.collect()
+    for p, g in zip(prompts, gen):
+        assert tm.copy_rule_agreement(p, g) == 1.0, (p, g)
+    assert gen == tm.hf_greedy(model_dir, prompts, 16)
+    assert "decode" in plans and "prefill" in plans, plans

@@ -22,6 +22,19 @@ import os
 _LIB = None
 
 
+def _gumbel_argmax(logits, seeds):
+    """Random sampling (the sampler's warm-up under torch.compile): Gumbel-max per row, each row's
+    noise from its own seed."""
+    import torch
+
+    rows = []
+    for i in range(logits.shape[0]):
+        g = torch.Generator().manual_seed(int(seeds[i]))
+        u = torch.rand(logits.shape[1], generator=g).clamp_(1e-20, 1.0)
+        rows.append(int((logits[i] - torch.log(-torch.log(u))).argmax()))
+    return torch.tensor(rows, dtype=torch.long)
+
+
 def _slot_mapping(query_start_loc, positions, block_table, slot_mapping, block_size):
     import torch
 
@@ -76,6 +89,8 @@ def prepare() -> None:
         _LIB.impl("rejection_greedy_sample_kernel_impl", _rejection_greedy, "CPU")
         _LIB.define("greedy_argmax(Tensor logits) -> Tensor")
         _LIB.impl("greedy_argmax", lambda logits: logits.argmax(dim=-1).view(-1), "CPU")
+        _LIB.define("fused_gumbel_argmax(Tensor logits, Tensor seeds) -> Tensor")
+        _LIB.impl("fused_gumbel_argmax", _gumbel_argmax, "CPU")
 
     from vllm.platforms import cpu as cpu_platform
 
