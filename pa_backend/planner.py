@@ -1,6 +1,7 @@
 """Split-K plan and workspace of the paged-attention kernels (docs/design.md §4.1).
 
-The grid's partition count P is a function of shapes only — the number of work items, KV heads,
+The partition bound P (the grid's partition axis, or the bound of the task space that one-warp
+decode programs take their tasks from) is a function of shapes only — the number of work items, KV heads,
 an upper bound on the context (the block-table width, or the batch's max context when the host
 knows it) and the device's SM/CU count — never of context lengths held in device memory, so no
 step syncs the host and a captured CUDA graph replays with any context lengths that fit its table.
@@ -116,7 +117,8 @@ def workspace_bytes(device) -> int:
 def reserve(max_num_seqs: int, Hq: int, Hkv: int, D: int, max_context: int, block_size: int, *,
             query_length: int = 1, device="cuda", sms: int = 0) -> int:
     """Size the workspace for ``pa_decode`` batches of up to ``max_num_seqs`` sequences whose block
-    tables hold ``max_context`` tokens (call before CUDA-graph capture). Smaller batches and
+    tables hold ``max_context`` tokens, and make the zeroed task counters (call before CUDA-graph
+    capture: a zeroed buffer cannot be made inside one). Smaller batches and
     narrower tables fit in it, whatever split targets the implementation uses (sized with the
     largest, MAX_PROGRAMS_PER_SM / MAX_FEW_PROGRAMS_PER_SM). Returns the workspace size in bytes."""
     from backend_core import platform
