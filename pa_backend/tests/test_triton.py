@@ -252,3 +252,48 @@ def test_cache_over_2gib_uses_64bit_offsets():
     out = pa_decode(q, kc, vc, tables, cl, ks, vs, backend="triton").double()
     assert torch.isfinite(out).all()
     assert ((out - ref).norm() / ref.norm()).item() <= tolerance(DEVICE)
+
+
+def _queue_case():
+    # GQA 4 x query length 1 = 16 rows at D 64, page 16: a one-warp decode program (the task queue)
+    params = dict(context_lengths=[40, 1, 333, 97, 0, 260], Hq=8, Hkv=2, D=64)
+    from pa_backend.triton import decode_tiling
+
+    assert decode_tiling(64, 16, 16)[1] == 1
+    return params
+
+
+def test_task_queue_counters_are_zero_after_every_launch():
+    """One-warp decode programs take tasks from a device counter (and per-SM counters on NVIDIA);
+    the reduce kernel zeroes them, so the next launch finds a full queue."""
+    from pa_backend.planner import task_queue
+
+    params = _queue_case()
+    first = check(params)
+    assert not task_queue(DEVICE).any()
+    assert torch.equal(check(params), first)  # the next launch does the same work
+    assert not task_queue(DEVICE).any()
+
+
+def test_task_queue_is_reset_when_the_reduce_launch_fails(monkeypatch):
+    """A failure between the two kernels (the reduce's launch raising) must not leave the counters
+    drained: the launcher zeroes them, and the next call is whole."""
+    from pa_backend.planner import task_queue
+    from pa_backend.triton import pa_decode as kmod
+
+    params = _queue_case()
+    want = check(params)
+
+    class Failing:
+        def __getitem__(self, grid):
+            def launch(*a, **k):
+                raise RuntimeError("reduce launch failed")
+            return launch
+
+    with monkeypatch.context() as m:
+        m.setattr(kmod, "pa_decode_reduce_kernel", Failing())
+        case = make_pa_case(**params, device=DEVICE, seed=0)
+        with pytest.raises(RuntimeError, match="reduce launch failed"):
+            case.call("triton")
+    assert not task_queue(DEVICE).any()
+    assert torch.equal(check(params), want)

@@ -280,18 +280,26 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         p.block_tables.stride(0), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=L.bt, ALIGN=L.align,
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
-        V_MAXNUM=L.v_maxnum, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots, num_warps=L.warps, num_stages=L.stages, **L.launch_options,
+        V_MAXNUM=L.v_maxnum, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots, num_warps=L.warps, num_stages=L.stages,
+        **L.launch_options,
     )
     if L.queue_mode and L.resident_key not in _RESIDENT:
         _RESIDENT[L.resident_key] = platform.resident_programs(p.device, L.warps, k)
-    pa_decode_reduce_kernel[(L.items, c.Hkv)](
-        ws_m, ws_l, ws_acc, p.sinks if p.sinks is not None else ws_m, p.out, p.context_lengths, chunks, L.queue,
-        p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
-        p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
-        HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
-        RAGGED=not p.is_decode, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots,
-        num_warps=reduce_warps(L.D, L.BM),
-    )
+    try:
+        pa_decode_reduce_kernel[(L.items, c.Hkv)](
+            ws_m, ws_l, ws_acc, p.sinks if p.sinks is not None else ws_m, p.out, p.context_lengths, chunks, L.queue,
+            p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
+            p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
+            HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
+            RAGGED=not p.is_decode, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots,
+            num_warps=reduce_warps(L.D, L.BM),
+        )
+    except BaseException:
+        # the reduce zeroes the task counters the partition kernel just used; without it every later
+        # launch on this device would find its queue drained and do nothing
+        if L.queue_mode and not (p.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            L.queue.zero_()
+        raise
     return p.out
 
 
