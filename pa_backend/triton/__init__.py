@@ -224,8 +224,8 @@ class _Launch:
         self.queue = task_queue(p.device) if self.items else None
         self.tasks = self.items * c.Hkv * self.split.P  # the task space's upper bound (shape-only)
         self.sms = platform.sm_count(p.device) if p.device.type == "cuda" else 4  # interpreter: a few programs
-        self.resident_key = (self.D, self.BM, self.bt, self.warps, self.stages, c.v_transposed, c.k_per_token,
-                             c.v_per_token, not p.is_decode, register_cap(self.warps))
+        self.resident_key = (p.device, self.D, self.BM, self.bt, self.warps, self.stages, c.v_transposed,
+                             c.k_per_token, c.v_per_token, not p.is_decode, register_cap(self.warps))
         self.v_maxnum = _v_maxnum(p.device)
         # per-SM program counters (NVIDIA: %smid): a power of two >= the SM count
         self.sm_slots = 1 << (self.sms - 1).bit_length() if self.v_maxnum else 0
