@@ -88,6 +88,14 @@ def use(name):
     kmod.pa_decode_partition_kernel = _kernels[name]
 
 
+def setup(case, width):
+    """(bench_case kwargs, one layer's arguments, an output buffer) of ``case`` at ``width`` tokens."""
+    B, ctx, ql, Hq, Hkv, D, bs, scales = case
+    kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda", table_tokens=width)
+    args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+    return kw, args, torch.empty_like(kw["query"])
+
+
 copy = copy_bandwidth_gbps()
 print(f"copy {copy:.0f} GB/s", flush=True)
 VARIANTS = os.environ.get("PROBE_VARIANTS", "base,exit,pfirst,exit+pfirst").split(",")
@@ -101,9 +109,7 @@ for ci in [int(i) for i in os.environ.get("PROBE_CASES", "0,1,2,3").split(",") i
     nbytes = kv_bytes(B, ctx, Hkv, D, scales)
     label = f"B={B} ctx={'mixed' if isinstance(ctx, list) else ctx} Hq={Hq}/{Hkv}"
     for width in (0, TABLE_TOKENS):
-        kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda", table_tokens=width)
-        args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
-        out = torch.empty_like(kw["query"])
+        kw, args, out = setup((B, ctx, ql, Hq, Hkv, D, bs, scales), width)
         runs = [("base", 0)] if width == 0 else [(v, p) for v in VARIANTS for p in PPS]
         for name, pps in runs:
             if time.time() - t0 > budget:
@@ -138,9 +144,7 @@ if os.environ.get("PROBE_ISOLATE"):
     for ci in (0, 1):
         B, ctx, ql, Hq, Hkv, D, bs, scales = CASES[ci]
         nbytes = kv_bytes(B, ctx, Hkv, D, scales)
-        kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda", table_tokens=TABLE_TOKENS)
-        args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
-        out = torch.empty_like(kw["query"])
+        kw, args, out = setup(CASES[ci], TABLE_TOKENS)
         wide = kw["block_tables"]
         nb = -(-ctx // bs)
         tables = {"wide": (wide, None), "exact": (wide[:, :nb].contiguous(), None), "view": (wide[:, :nb], None),
@@ -167,9 +171,7 @@ if os.environ.get("PROBE_KERNELS"):
     from torch.profiler import ProfilerActivity, profile
 
     B, ctx, ql, Hq, Hkv, D, bs, scales = CASES[0]
-    kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda", table_tokens=TABLE_TOKENS)
-    args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
-    out = torch.empty_like(kw["query"])
+    kw, args, out = setup(CASES[0], TABLE_TOKENS)
     for pps in ("0", "12", "8"):  # P = 53, 20, 14 with one-warp programs at B=81
         os.environ.pop("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", None)
         if pps != "0":
@@ -193,9 +195,7 @@ if os.environ.get("PROBE_KERNELS"):
 # program records its SM id; printed: live programs per SM (min / max / SMs with none) at P = 14, 20, 53.
 if os.environ.get("PROBE_SMID"):
     B, ctx, ql, Hq, Hkv, D, bs, scales = CASES[0]
-    kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda", table_tokens=TABLE_TOKENS)
-    args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
-    out = torch.empty_like(kw["query"])
+    kw, args, out = setup(CASES[0], TABLE_TOKENS)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for pps in ("8", "12", "0"):
         os.environ.pop("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", None)
