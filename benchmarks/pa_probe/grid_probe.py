@@ -96,6 +96,16 @@ def setup(case, width):
     return kw, args, torch.empty_like(kw["query"])
 
 
+def timed(kw, args, out, plan, nbytes):
+    """(median us, % of copy, rel. err, the plan's P) of one planned decode, checked before timed."""
+    out.fill_(float("nan"))
+    plan.run(**args, out=out)
+    err = accuracy(kw, out)
+    t = time_cuda_graph(lambda i: plan.run(**args, out=out), inner=2, trials=30)
+    pct = 100 * nbytes / (t.median_us * 1e-6) / 1e9 / copy
+    return f"{t.median_us:.1f} us ({pct:.1f}% of copy) rel.err {err:.2e}", next(iter(plan.state.values())).split.P
+
+
 copy = copy_bandwidth_gbps()
 print(f"copy {copy:.0f} GB/s", flush=True)
 VARIANTS = os.environ.get("PROBE_VARIANTS", "base,exit,pfirst,exit+pfirst").split(",")
@@ -121,14 +131,9 @@ for ci in [int(i) for i in os.environ.get("PROBE_CASES", "0,1,2,3").split(",") i
             try:
                 use(name)
                 plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton")
-                out.fill_(float("nan"))
-                plan.run(**args, out=out)
-                err = accuracy(kw, out)
-                t = time_cuda_graph(lambda i: plan.run(**args, out=out), inner=2, trials=30)
-                P = next(iter(plan.state.values())).split.P
+                res, P = timed(kw, args, out, plan, nbytes)
                 print(f"  {label} table={int(kw['block_tables'].shape[1]) * bs} {name} pps={pps or 'default'} P={P}: "
-                      f"{t.median_us:.1f} us ({100 * nbytes / (t.median_us * 1e-6) / 1e9 / copy:.1f}% of copy) "
-                      f"rel.err {err:.2e}", flush=True)
+                      f"{res}", flush=True)
             except Exception as exc:
                 print(f"  {label} {name} pps={pps}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
         del kw, args, out
@@ -151,16 +156,10 @@ if os.environ.get("PROBE_ISOLATE"):
                   "wide+max_context": (wide, ctx)}
         for rnd in range(2):
             for name, (bt, mc) in tables.items():
-                kw2 = dict(kw, block_tables=bt)
                 plan = plan_decode(bt, kw["context_lengths"], query_length=ql, max_context=mc, backend="triton")
-                out.fill_(float("nan"))
-                plan.run(**args, out=out)
-                err = accuracy(kw2, out)
-                t = time_cuda_graph(lambda i: plan.run(**args, out=out), inner=2, trials=30)
-                P = next(iter(plan.state.values())).split.P
-                print(f"  isolate B={B} ctx={ctx} Hq={Hq}/{Hkv} round {rnd} {name} (stride {bt.stride(0)}, P={P}): "
-                      f"{t.median_us:.1f} us ({100 * nbytes / (t.median_us * 1e-6) / 1e9 / copy:.1f}% of copy) "
-                      f"rel.err {err:.2e}", flush=True)
+                res, P = timed(dict(kw, block_tables=bt), args, out, plan, nbytes)
+                print(f"  isolate B={B} ctx={ctx} Hq={Hq}/{Hkv} round {rnd} {name} (stride {bt.stride(0)}, P={P}): {res}",
+                      flush=True)
         del kw, args, out, tables, wide
         torch.cuda.empty_cache()
 
