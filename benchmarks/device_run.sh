@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify bench-kda bench-pa sweep-pa e2e-vllm
-# probe-warps profile-vllm
+# probe-warps probe-grid profile-vllm
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
 # Optional wheels (fla-core for the composed KDA baseline) travel in .whl/ and go to /tmp/site.
@@ -71,6 +71,7 @@ for step in $steps; do
     sweep-pa) cmd=(python3 benchmarks/sweep_pa_triton.py "${SWEEP_SECONDS:-300}") ;;
     # probes (benchmarks/pa_probe/): decode warps/BT/stages with accuracy; where a vLLM graph step's time goes
     probe-warps) cmd=(python3 benchmarks/pa_probe/warps_probe.py "${PROBE_SECONDS:-300}") ;;
+    probe-grid) cmd=(python3 benchmarks/pa_probe/grid_probe.py "${PROBE_SECONDS:-300}") ;;
     profile-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 benchmarks/pa_probe/engine_step_profile.py) ;;
     *) echo "unknown step $step"; rc=2; continue ;;
   esac
