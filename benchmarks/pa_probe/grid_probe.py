@@ -108,8 +108,10 @@ def timed(kw, args, out, plan, nbytes):
 
 copy = copy_bandwidth_gbps()
 print(f"copy {copy:.0f} GB/s", flush=True)
-VARIANTS = os.environ.get("PROBE_VARIANTS", "base,exit,pfirst,exit+pfirst").split(",")
-PPS = [int(x) for x in os.environ.get("PROBE_PPS", "0,16,12").split(",")]  # 0: the shipped target
+# the variants edit the 3-D grid kernel of fbbb544 (run there: PROBE_VARIANTS=base,exit,pfirst,exit+pfirst
+# PROBE_PPS=0,16,12); on the task-queue kernel only "base" applies
+VARIANTS = os.environ.get("PROBE_VARIANTS", "base").split(",")
+PPS = [int(x) for x in os.environ.get("PROBE_PPS", "0").split(",")]  # 0: the shipped target
 CASES = [DEFAULT_CONFIGS[0], DEFAULT_CONFIGS[3], DEFAULT_CONFIGS[1], MIXED_CONFIG]
 for ci in [int(i) for i in os.environ.get("PROBE_CASES", "0,1,2,3").split(",") if i]:
     B, ctx, ql, Hq, Hkv, D, bs, scales = CASES[ci]
