@@ -309,13 +309,14 @@ def pa_decode_partition_kernel(
     V_MAXNUM: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr,
 ):
     if not QUEUE:  # grid (items, Hkv, P): one task per program
-        _partition_task(tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2),
-                        p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
-                P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
-                stride_q_t, stride_q_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
-                stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
-                stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
-                V_MAXNUM)
+        _partition_task(
+            tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2),
+            p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
+            P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
+            stride_q_t, stride_q_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
+            stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
+            stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
+            V_MAXNUM)
     else:
         # tasks (item, KV head, partition), partition-major from the highest partition down (the
         # long sequences' partitions first, the short ones' last), bounded by the batch's longest split
@@ -339,7 +340,8 @@ def pa_decode_partition_kernel(
             i_p = n_part - 1 - t // per_part
             i_s = ((t % per_part) // HKV).to(tl.int64)
             i_h = t % HKV
-            _partition_task(i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
+            _partition_task(
+                i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
                 P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
                 stride_q_t, stride_q_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
                 stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
