@@ -297,3 +297,21 @@ def test_task_queue_is_reset_when_the_reduce_launch_fails(monkeypatch):
             case.call("triton")
     assert not task_queue(DEVICE).any()
     assert torch.equal(check(params), want)
+
+
+def test_task_queue_only_for_shape_only_plans():
+    """One-warp decode programs take the task queue when the plan's context bound is the table
+    width (CUDA graphs, eager calls); a plan that knows its batch's max context keeps the grid (sized
+    to it); both give the same output."""
+    from pa_backend import plan_decode
+
+    case = make_pa_case(**_queue_case(), device=DEVICE, seed=0)
+    kw = dict(case.kwargs)
+    args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+    outs, modes = [], []
+    for mc in (None, 333):
+        plan = plan_decode(kw["block_tables"], kw["context_lengths"], max_context=mc, backend="triton")
+        outs.append(plan.run(**args, out=torch.full_like(kw["query"], float("nan"))))
+        modes.append(next(iter(plan.state.values())).queue_mode)
+    assert modes == [True, False]
+    assert torch.equal(outs[0], outs[1])

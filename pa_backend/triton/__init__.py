@@ -117,8 +117,8 @@ def prefill_tiling(D: int, G: int, block_size: int = 16) -> Tuple[int, int, int,
 
 
 def register_cap(warps: int):
-    """ptxas' register cap for partition programs of ``warps`` warps on NVIDIA (None: no cap). One-warp
-    programs: 168, so 12 fit an SM. Without it the task-queue loop compiles to 207 registers (9 per
+    """ptxas' register cap for task-queue partition programs of ``warps`` warps on NVIDIA (None: no
+    cap; grid launches pass none). One-warp programs: 168, so 12 fit an SM. Without it the task-queue loop compiles to 207 registers (9 per
     SM) and ran B=81/8k in 129 us instead of 81 us (H200, benchmarks/pa_probe/grid_H200_2026-12-04.txt;
     a cap of 184, 11 per SM: 128 us). FLYDSL_BACKENDS_PA_TRITON_MAXNREG overrides it (0: no cap)."""
     raw = os.environ.get("FLYDSL_BACKENDS_PA_TRITON_MAXNREG")
@@ -218,9 +218,14 @@ class _Launch:
         self.split = plan_partitions(self.items, c.Hkv, bound, platform.sm_count(p.device), p.num_partitions or 0,
                                      *split_policy(self.warps))
         self.ws = workspace(p.device, self.items, c.Hkv, self.split.P, self.BM, self.D) if self.items else None
-        # one-warp decode programs take tasks from a device queue (pa_decode.py): a grid of dead programs
-        # past each sequence's split cost B=81/8k 11 us at 128k tables; larger programs keep the grid
-        self.queue_mode = p.is_decode and self.warps == 1 and not p.num_partitions
+        # one-warp decode programs of a shape-only plan (the table width bounds the context: CUDA graphs,
+        # eager calls) take tasks from a device queue (pa_decode.py): such a grid carries programs past
+        # each sequence's split, and the live ones land unevenly (B=81/8k at a 128k table: 89 us on the
+        # grid, 83 us on the queue). A plan that knows its batch's max context sizes the grid to it, and
+        # the grid is then the faster (B=81/8k 78 vs 82 us, B=32/2k 64 vs 67 us; mixed 100..32k 143 vs
+        # 142 us; H200, benchmarks/pa_probe/grid_H200_2026-12-04.txt). Larger programs keep the grid.
+        self.queue_mode = (p.is_decode and self.warps == 1 and not p.num_partitions
+                           and (plan is None or plan.max_context is None))
         self.queue = task_queue(p.device) if self.items else None
         self.tasks = self.items * c.Hkv * self.split.P  # the task space's upper bound (shape-only)
         self.sms = platform.sm_count(p.device) if p.device.type == "cuda" else 4  # interpreter: a few programs
@@ -229,7 +234,7 @@ class _Launch:
         self.v_maxnum = _v_maxnum(p.device)
         # per-SM program counters (NVIDIA: %smid): a power of two >= the SM count
         self.sm_slots = 1 << (self.sms - 1).bit_length() if self.v_maxnum else 0
-        cap = register_cap(self.warps) if self.v_maxnum else None  # NVIDIA only
+        cap = register_cap(self.warps) if self.v_maxnum and self.queue_mode else None  # NVIDIA, the queue loop
         self.launch_options = {"maxnreg": cap} if cap else {}
 
 

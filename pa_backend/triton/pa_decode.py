@@ -11,8 +11,10 @@
 # no work and the reduce reads only the P_s partials, so the work follows each sequence's context
 # whatever the block table's width, and a captured CUDA graph replays with any context lengths.
 # Two ways to launch the tasks (QUEUE):
-# * grid (items, Hkv, P), one task per program (prefill, and decode programs of 4 or 8 warps);
-# * a task queue (one-warp decode programs): a grid of one wave of resident programs takes tasks from
+# * grid (items, Hkv, P), one task per program (prefill, decode programs of 4 or 8 warps, and plans
+#   that know their batch's max context, whose P is sized to it);
+# * a task queue (one-warp decode programs of shape-only plans: CUDA graphs, eager calls, whose P is
+#   sized to the table width): a grid of one wave of resident programs takes tasks from
 #   a device counter (partition-major from the batch's longest split down: long partitions first).
 #   A shape-only grid at a 128k-token table carries ~3 programs past each sequence's split per live
 #   one, and the hardware then places the live ones unevenly (up to 12 on some SMs, 8 on others:

@@ -24,7 +24,9 @@ SPILL_ALLOWED = {("prefill", 128, 256): 512, (128, 16, 16, False, False): 4, (12
 
 
 def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = False, per_token: bool = False,
-                 kernel: str = "partition", ragged: bool = False) -> Dict[str, int]:
+                 kernel: str = "partition", ragged: bool = False, queue=None) -> Dict[str, int]:
+    """ptxas numbers of one shipped kernel configuration. ``queue``: the partition kernel's launch mode
+    (None: what a shape-only decode plan uses, the task queue for one-warp programs)."""
     from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel
     from .write_kv import write_kv_kernel
 
@@ -58,10 +60,10 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
             _, bt, warps, stages = prefill_tiling(D, G, block_size)
         constexprs = dict(HKV=1, G=G, QL=QL, BM=BM, D=D, BS=block_size, BT=bt, ALIGN=max(bt, block_size), V5D=v5d,
                           K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged, V_MAXNUM=True,
-                          QUEUE=warps == 1 and not ragged, SM_SLOTS=256)
+                          QUEUE=(warps == 1 and not ragged) if queue is None else queue, SM_SLOTS=256)
         from . import register_cap
 
-        maxnreg = register_cap(warps)
+        maxnreg = register_cap(warps) if constexprs["QUEUE"] else None
     elif kernel == "write":
         constexprs = dict(D=D, BS=block_size, FMAX=448.0, MIN_EXP=-6, V5D=v5d, K_PER_TOKEN=per_token,
                           V_PER_TOKEN=per_token)
