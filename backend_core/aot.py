@@ -44,8 +44,10 @@ def ptxas_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, obje
         else:
             raise ValueError(f"ptxas_report: no type or constexpr value for argument {n!r}")
     src = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs), attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps, "num_stages": num_stages,
-                                                                             **({"maxnreg": maxnreg} if maxnreg else {})})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    compiled = triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(compiled.asm["ptx"])

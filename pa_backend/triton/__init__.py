@@ -118,13 +118,15 @@ def prefill_tiling(D: int, G: int, block_size: int = 16) -> Tuple[int, int, int,
 
 def register_cap(warps: int):
     """ptxas' register cap for task-queue partition programs of ``warps`` warps on NVIDIA (None: no
-    cap; grid launches pass none). One-warp programs: 168, so 12 fit an SM. Without it the task-queue loop compiles to 207 registers (9 per
-    SM) and ran B=81/8k in 129 us instead of 81 us (H200, benchmarks/pa_probe/grid_H200_2026-12-04.txt;
-    a cap of 184, 11 per SM: 128 us). FLYDSL_BACKENDS_PA_TRITON_MAXNREG overrides it (0: no cap)."""
-    raw = os.environ.get("FLYDSL_BACKENDS_PA_TRITON_MAXNREG")
-    if raw is not None:
-        v = _env_int("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", 1) if raw.strip() not in ("", "0") else 0
-        return v or None
+    cap; grid launches pass none). One-warp programs: 168, so 12 fit an SM; without it the queue loop
+    compiles to 207 registers (9 per SM) and ran B=81/8k in 129 us instead of 81 us (a cap of 184, 11
+    per SM: 128 us; H200, benchmarks/pa_probe/grid_H200_2026-12-04.txt).
+    FLYDSL_BACKENDS_PA_TRITON_MAXNREG overrides it (0: no cap)."""
+    raw = os.environ.get("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", "").strip()
+    if raw == "0":
+        return None
+    if raw:
+        return _env_int("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", 0)
     return 168 if warps == 1 else None
 
 
@@ -236,6 +238,7 @@ class _Launch:
         self.sm_slots = 1 << (self.sms - 1).bit_length() if self.v_maxnum else 0
         cap = register_cap(self.warps) if self.v_maxnum and self.queue_mode else None  # NVIDIA, the queue loop
         self.launch_options = {"maxnreg": cap} if cap else {}
+        self.grid = None if self.queue_mode else (self.items, c.Hkv, self.split.P)  # queue: set on first launch
 
 
 # programs per SM of each compiled partition kernel (platform.resident_programs), filled by its first
@@ -269,11 +272,12 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
     sp = L.split
     ws_m, ws_l, ws_acc = L.ws
     kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
-    if L.queue_mode:  # one wave of resident programs
-        per_sm = _RESIDENT.get(L.resident_key) or platform.resident_programs(p.device, L.warps)
-        grid = (max(1, min(L.tasks, L.sms * per_sm)),)
-    else:
-        grid = (L.items, c.Hkv, sp.P)
+    grid = L.grid
+    if grid is None:  # the queue: one wave of resident programs (an estimate until the kernel has run once)
+        per_sm = _RESIDENT.get(L.resident_key)
+        grid = (max(1, min(L.tasks, L.sms * (per_sm or platform.resident_programs(p.device, L.warps)))),)
+        if per_sm:
+            L.grid = grid
     k = pa_decode_partition_kernel[grid](
         p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc, L.queue,
         L.items, sp.P, L.sms, p.softmax_scale, p.sliding_window, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens,
