@@ -25,7 +25,8 @@ import torch
 
 from backend_core.buffers import DeviceBuffers
 
-__all__ = ["Split", "plan_partitions", "work_rows", "workspace", "task_queue", "reserve", "workspace_bytes"]
+__all__ = ["Split", "plan_partitions", "work_rows", "workspace", "task_queue", "QUEUE_SM_SLOTS", "reserve",
+           "workspace_bytes"]
 
 
 # Programs per SM the split-K aims for, and the partition lengths it prefers. Partitions shorter
@@ -102,12 +103,13 @@ def workspace(device: torch.device, items: int, Hkv: int, P: int, BM: int, D: in
 # the partition kernel's task counter and per-SM program counters (int32 per device, zero between
 # launches: the kernel's programs take tasks from it, the reduce kernel sets it back to zero)
 _QUEUE = DeviceBuffers("pa task queue", [(torch.int32, True)])
+QUEUE_SM_SLOTS = 1024  # per-SM counters (SM ids wrap around past it)
 
 
 def task_queue(device: torch.device) -> torch.Tensor:
-    """The device's task counter of the partition kernel (made zeroed on first use: before CUDA-graph
-    capture, by ``reserve`` or an eager call)."""
-    return _QUEUE.get(device, (1 + 1024,))[0]
+    """The device's task counter of the partition kernel, then QUEUE_SM_SLOTS per-SM counters (made
+    zeroed on first use: before CUDA-graph capture, by ``reserve`` or an eager call)."""
+    return _QUEUE.get(device, (1 + QUEUE_SM_SLOTS,))[0]
 
 
 def workspace_bytes(device) -> int:

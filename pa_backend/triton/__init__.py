@@ -23,7 +23,8 @@ import torch
 from backend_core import platform
 from ..contract import PAProblem, WriteProblem
 from ..fp8 import fp8_max
-from ..planner import FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, plan_partitions, task_queue, work_rows, workspace
+from ..planner import (FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, QUEUE_SM_SLOTS, plan_partitions, task_queue, work_rows,
+                       workspace)
 
 __all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "split_policy", "reduce_warps",
            "register_cap"]
@@ -235,7 +236,7 @@ class _Launch:
                              c.k_per_token, c.v_per_token, not p.is_decode, register_cap(self.warps))
         self.v_maxnum = _v_maxnum(p.device)
         # per-SM program counters (NVIDIA: %smid): a power of two >= the SM count
-        self.sm_slots = 1 << (self.sms - 1).bit_length() if self.v_maxnum else 0
+        self.sm_slots = min(1 << (self.sms - 1).bit_length(), QUEUE_SM_SLOTS) if self.v_maxnum else 0
         cap = register_cap(self.warps) if self.v_maxnum and self.queue_mode else None  # NVIDIA, the queue loop
         self.launch_options = {"maxnreg": cap} if cap else {}
         self.grid = None if self.queue_mode else (self.items, c.Hkv, self.split.P)  # queue: set on first launch
