@@ -173,6 +173,7 @@ class PABatch:
     query_length: int  # decode rows per sequence; 0 for prefill
     num_seqs: int
     _addresses: Optional[list] = None
+    _key: Optional[tuple] = None
 
     def addresses(self) -> list:
         """Address summaries of the batch tensors (for the output-overlap check), made once."""
@@ -180,6 +181,14 @@ class PABatch:
             self._addresses = addresses([("block_tables", self.block_tables), ("context_lengths", self.context_lengths),
                                          ("query_start_loc", self.query_start_loc)])
         return self._addresses
+
+    def memo_key(self) -> tuple:
+        """What ``check_layer`` reads of the batch (the per-call memo's part of it), made once."""
+        if self._key is None:
+            qsl = self.query_start_loc_host
+            self._key = (_arg_key(self.block_tables), _arg_key(self.context_lengths), _arg_key(self.query_start_loc),
+                         self.query_length, self.num_seqs, qsl[-1] if qsl else None)
+        return self._key
 
     @property
     def device(self) -> torch.device:
@@ -243,23 +252,98 @@ def checked_cache(key_cache, value_cache, key_scale, value_scale, device, anchor
     hit = _CACHE_MEMO.get(key)
     if hit is not None and key_cache.device == device:  # the four were checked to share one device
         _CACHE_MEMO.move_to_end(key)
-        NB, Hkv, D, bs, addrs = hit
-        # the caller's own tensors; a per-tensor scale ([1] or 0-dim) read as 0-dim
-        ks = key_scale if key_scale.dim() != 1 else key_scale.reshape(())
-        vs = value_scale if value_scale.dim() != 1 else value_scale.reshape(())
-        return KVCache(key_cache, value_cache, ks, vs, NB, Hkv, D, bs, addrs)
+        return _cache_from_facts(key_cache, value_cache, key_scale, value_scale, hit)
     cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor)
     if device.type != "meta":
-        _CACHE_MEMO[key] = (cache.num_blocks, cache.Hkv, cache.D, cache.block_size, cache.addresses())
+        _CACHE_MEMO[key] = _cache_facts(cache)
         if len(_CACHE_MEMO) > _CACHE_MEMO_SIZE:
             _CACHE_MEMO.popitem(last=False)
     return cache
 
 
+def _cache_facts(cache: KVCache) -> tuple:
+    return (cache.num_blocks, cache.Hkv, cache.D, cache.block_size, cache.addresses())
+
+
+def _cache_from_facts(key_cache, value_cache, key_scale, value_scale, facts: tuple) -> KVCache:
+    """A checked cache around the caller's own tensors; a per-tensor scale ([1] or 0-dim) read as 0-dim."""
+    NB, Hkv, D, bs, addrs = facts
+    ks = key_scale if key_scale.dim() != 1 else key_scale.reshape(())
+    vs = value_scale if value_scale.dim() != 1 else value_scale.reshape(())
+    return KVCache(key_cache, value_cache, ks, vs, NB, Hkv, D, bs, addrs)
+
+
+# Whole-call checks memoized the same way: a server's layers pass their tensors at the same addresses,
+# shapes and strides step after step, so each distinct argument set is checked in full once and later
+# calls only rebuild the problem around the caller's tensors (the per-layer cost of plan.run and
+# write_kv). The key is everything the checks read: each tensor's address, shape, strides, dtype and
+# device, every other argument with its type (True is not 1), and for a layer the batch's own key. A
+# call that fails its checks is never stored. Numbers only, no tensors, as above.
+_CALL_MEMO: "OrderedDict[tuple, tuple]" = OrderedDict()
+_CALL_MEMO_SIZE = 4096  # (layers x distinct activation buffers) of a few models
+
+
+def _arg_key(x):
+    if isinstance(x, torch.Tensor):
+        return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
+    return (type(x), x)
+
+
+def _memo_get(key):
+    """The stored facts of ``key`` (None: not checked yet, or ``key`` is None: not memoizable)."""
+    if key is None:
+        return None
+    hit = _CALL_MEMO.get(key)
+    if hit is not None:
+        _CALL_MEMO.move_to_end(key)
+    return hit
+
+
+def _memo_key(*parts):
+    """A hashable key of the arguments, or None when one cannot be one (an unhashable argument: the full
+    checks then run, and reject it)."""
+    try:
+        hash(parts)
+    except TypeError:
+        return None
+    return parts
+
+
+def _memo_put(key, device: torch.device, facts: tuple) -> None:
+    if key is None or device.type == "meta":  # meta tensors share addresses (0): never stored
+        return
+    _CALL_MEMO[key] = facts
+    if len(_CALL_MEMO) > _CALL_MEMO_SIZE:
+        _CALL_MEMO.popitem(last=False)
+
+
 def check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, value_scale, softmax_scale=None,
                 sliding_window=0, sinks=None, num_partitions=None, out=None, anchor: str = "query") -> PAProblem:
-    """Validate one layer's arguments against a checked batch: cheap (shapes, dtypes; the cache
-    layout check is memoized per cache). Nothing is written."""
+    """Validate one layer's arguments against a checked batch: cheap (shapes, dtypes; the checks are
+    memoized on what they read, so a server's layers are checked in full once). Nothing is written."""
+    key = _memo_key("layer", anchor, batch.memo_key(), _arg_key(query), _arg_key(key_cache), _arg_key(value_cache),
+                    _arg_key(key_scale), _arg_key(value_scale), _arg_key(softmax_scale), _arg_key(sliding_window),
+                    _arg_key(sinks), _arg_key(num_partitions), _arg_key(out))
+    hit = _memo_get(key)
+    if hit is not None:
+        facts, Hq, softmax_scale, sliding_window = hit
+        if out is None:
+            out = torch.empty_like(query, memory_format=torch.contiguous_format)
+        return PAProblem(query=query, cache=_cache_from_facts(key_cache, value_cache, key_scale, value_scale, facts),
+                         block_tables=batch.block_tables, context_lengths=batch.context_lengths,
+                         query_start_loc=batch.query_start_loc, query_start_loc_host=batch.query_start_loc_host,
+                         query_length=batch.query_length, num_seqs=batch.num_seqs, Hq=Hq,
+                         softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
+                         num_partitions=num_partitions, out=out)
+    p = _check_layer(batch, query=query, key_cache=key_cache, value_cache=value_cache, key_scale=key_scale,
+                     value_scale=value_scale, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
+                     num_partitions=num_partitions, out=out, anchor=anchor)
+    _memo_put(key, batch.device, (_cache_facts(p.cache), p.Hq, p.softmax_scale, p.sliding_window))
+    return p
+
+
+def _check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, value_scale, softmax_scale,
+                 sliding_window, sinks, num_partitions, out, anchor: str) -> PAProblem:
     device = batch.device
     query = checked_tensor(query, "query", device, ACT_DTYPES,
                            anchor=None if anchor == "query" else anchor)
@@ -354,7 +438,20 @@ def check_query_start_loc(values: Sequence[int], num_seqs: int, num_rows: Option
 
 
 def prepare_write(*, key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale) -> WriteProblem:
-    """Validate a write_kv call. Nothing is written."""
+    """Validate a write_kv call (memoized on what the checks read, as ``check_layer``). Nothing is written."""
+    memo = _memo_key("write", _arg_key(key), _arg_key(value), _arg_key(key_cache), _arg_key(value_cache),
+                     _arg_key(slot_mapping), _arg_key(key_scale), _arg_key(value_scale))
+    hit = _memo_get(memo)
+    if hit is not None:
+        return WriteProblem(key=key, value=value, slot_mapping=slot_mapping,
+                            cache=_cache_from_facts(key_cache, value_cache, key_scale, value_scale, hit))
+    p = _prepare_write(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
+                       key_scale=key_scale, value_scale=value_scale)
+    _memo_put(memo, p.device, _cache_facts(p.cache))
+    return p
+
+
+def _prepare_write(*, key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale) -> WriteProblem:
     anchor = "key"
     device = require_tensor(key, "key").device
     key = checked_tensor(key, "key", device, ACT_DTYPES, anchor=anchor)

@@ -183,3 +183,72 @@ def test_multi_layer_step_does_not_sync_the_host():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert torch.isfinite(outs[0]).all() and torch.isfinite(outs[1]).all()
+
+
+def test_layer_checks_are_memoized_and_still_reject_bad_arguments(monkeypatch):
+    """A server's layers pass the same addresses, shapes and strides every step: ``plan.run`` and
+    ``write_kv`` check each distinct argument set in full once, later calls only rebuild the problem
+    around the caller's tensors. Any argument the checks read that differs (a bool for an int, an
+    overlapping ``out``, another shape) is checked again, and rejected."""
+    import pa_backend.contract as contract
+    from pa_backend import write_kv
+
+    calls = {"layer": 0, "write": 0}
+    full_layer, full_write = contract._check_layer, contract._prepare_write
+
+    def count(name, fn):
+        def wrapped(*a, **k):
+            calls[name] += 1
+            return fn(*a, **k)
+        return wrapped
+
+    monkeypatch.setattr(contract, "_check_layer", count("layer", full_layer))
+    monkeypatch.setattr(contract, "_prepare_write", count("write", full_write))
+    c = decode_case()
+    kw = c.kwargs
+    plan = plan_decode(kw["block_tables"], kw["context_lengths"], backend="torch")
+    out = torch.empty_like(kw["query"])
+    first = plan.run(*(kw[k] for k in LAYER_ARGS), softmax_scale=0.125, out=out).clone()
+    for _ in range(3):
+        assert torch.equal(plan.run(*(kw[k] for k in LAYER_ARGS), softmax_scale=0.125, out=out), first)
+    assert calls["layer"] == 1
+    with pytest.raises(TypeError, match="sliding_window: expected an int"):
+        plan.run(*(kw[k] for k in LAYER_ARGS), softmax_scale=0.125, sliding_window=True, out=out)
+    with pytest.raises(ValueError, match="out: shares memory with query"):
+        plan.run(*(kw[k] for k in LAYER_ARGS), softmax_scale=0.125, out=kw["query"])
+    with pytest.raises(ValueError, match="query: expected 4 sequences"):
+        plan.run(kw["query"][:3], *(kw[k] for k in LAYER_ARGS[1:]), softmax_scale=0.125)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        plan.run(*(kw[k] for k in LAYER_ARGS), softmax_scale=-1.0, out=out)
+    assert calls["layer"] == 5
+
+    key = torch.randn(3, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    val = torch.randn(3, 2, 64, dtype=torch.bfloat16, device=DEVICE)
+    slots = torch.tensor([1, 17, -1], dtype=torch.int64, device=DEVICE)
+    caches = [kw[k].clone() for k in ("key_cache", "value_cache")]
+    calls["write"] = 0  # (making the case wrote its caches)
+    for _ in range(3):
+        write_kv(key, val, *caches, slots, kw["key_scale"], kw["value_scale"], backend="torch")
+    assert calls["write"] == 1
+    with pytest.raises(ValueError, match="slot_mapping: expected dtype"):
+        write_kv(key, val, *caches, slots.int().float(), kw["key_scale"], kw["value_scale"], backend="torch")
+    overlapping = caches[0].view(torch.uint8).view(-1)[:3 * 2 * 64 * 2].view(torch.bfloat16).view(3, 2, 64)
+    with pytest.raises(ValueError, match="shares memory"):  # a key inside the key cache's bytes
+        write_kv(overlapping, val, *caches, slots, kw["key_scale"], kw["value_scale"], backend="torch")
+    assert calls["write"] == 3
+
+
+def test_memoized_checks_keep_no_tensor_alive():
+    """The memo holds numbers only: a server that frees its caches gets the memory back."""
+    import gc
+    import weakref
+
+    c = decode_case()
+    kw = dict(c.kwargs)
+    plan = plan_decode(kw["block_tables"], kw["context_lengths"], backend="torch")
+    kc = kw.pop("key_cache")
+    plan.run(kw["query"], kc, *(kw[k] for k in LAYER_ARGS[2:]))
+    ref = weakref.ref(kc)
+    del kc, c
+    gc.collect()
+    assert ref() is None

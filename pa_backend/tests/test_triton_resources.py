@@ -17,6 +17,10 @@ import json
 from pa_backend.triton.resources import SHIPPED_CONFIGS, ptxas_report
 rows = [[list(c), ptxas_report(*c)] for c in SHIPPED_CONFIGS]
 rows += [[["grid", D, v5], ptxas_report(D=D, v5d=v5, per_token=v5, queue=False)] for D in (64, 128) for v5 in (0, 1)]
+rows += [[["direct", D, m, v5], ptxas_report(D=D, M=m, v5d=v5, per_token=v5, direct=True, sinks=True)]
+         for D in (64, 128, 256) for m in (16, 64) for v5 in (0, 1)]
+rows += [[["direct-prefill", D, m], ptxas_report(D=D, M=m, ragged=True, direct=True, sinks=True)]
+         for D, m in ((128, 256), (256, 64), (64, 128))]
 rows.append([["reduce"], ptxas_report(D=256, M=64, kernel="reduce")])
 rows += [[["prefill", D, m], ptxas_report(D=D, M=m, ragged=True)] for D, m in ((128, 256), (256, 64), (64, 128))]
 rows.append([["prefill-reduce"], ptxas_report(D=256, M=64, kernel="reduce", ragged=True)])

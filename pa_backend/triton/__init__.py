@@ -240,6 +240,9 @@ class _Launch:
         cap = register_cap(self.warps) if self.v_maxnum and self.queue_mode else None  # NVIDIA, the queue loop
         self.launch_options = {"maxnreg": cap} if cap else {}
         self.grid = None if self.queue_mode else (self.items, c.Hkv, self.split.P)  # queue: set on first launch
+        # one partition per item (a plan bounded by a short max context, or a narrow table): the partition
+        # kernel writes the output rows itself and the reduce is not launched (one launch per layer less)
+        self.direct = not self.queue_mode and self.split.P == 1
 
 
 # programs per SM of each compiled partition kernel (platform.resident_programs), filled by its first
@@ -279,11 +282,12 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         grid = (max(1, min(L.tasks, L.sms * (per_sm or platform.resident_programs(p.device, L.warps)))),)
         if per_sm:
             L.grid = grid
+    sinks = p.sinks if p.sinks is not None else ws_m  # any fp32 pointer when there are none
     k = pa_decode_partition_kernel[grid](
-        p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc, L.queue,
+        p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc, sinks, p.out, L.queue,
         L.items, sp.P, L.sms, p.softmax_scale, p.sliding_window, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens,
         sp.long_tokens,
-        p.query.stride(0), p.query.stride(1),
+        p.query.stride(0), p.query.stride(1), p.out.stride(0), p.out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
         ks.stride(0) if c.k_per_token else 0, ks.stride(1) if c.k_per_token else 0,
@@ -291,14 +295,16 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         p.block_tables.stride(0), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=L.bt, ALIGN=L.align,
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
-        V_MAXNUM=L.v_maxnum, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots, num_warps=L.warps, num_stages=L.stages,
-        **L.launch_options,
+        V_MAXNUM=L.v_maxnum, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots, DIRECT=L.direct, HAS_SINKS=p.sinks is not None,
+        num_warps=L.warps, num_stages=L.stages, **L.launch_options,
     )
     if L.queue_mode and L.resident_key not in _RESIDENT:
         _RESIDENT[L.resident_key] = platform.resident_programs(p.device, L.warps, k)
+    if L.direct:
+        return p.out
     try:
         pa_decode_reduce_kernel[(L.items, c.Hkv)](
-            ws_m, ws_l, ws_acc, p.sinks if p.sinks is not None else ws_m, p.out, p.context_lengths, chunks, L.queue,
+            ws_m, ws_l, ws_acc, sinks, p.out, p.context_lengths, chunks, L.queue,
             p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
             p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
             HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,

@@ -56,7 +56,9 @@
 #
 # Reduce kernel, grid (work items, Hkv): combines the P_s partial (m, l, acc) with the softmax
 # rescale, adds exp(sink - m) to the denominator when sinks are given, and writes the BM valid rows
-# (zero when no token was attended).
+# (zero when no token was attended). A grid launch whose P is 1 (a plan bounded by a short max
+# context: small batches outside graphs) has nothing to combine: its task writes the rows itself
+# (DIRECT, the same _store_rows) and the reduce is not launched.
 #
 # Offsets: block ids and row offsets are int64 (caches > 2 GiB); offsets inside one block are int32.
 
@@ -205,6 +207,26 @@ def _attend_tile(
 
 
 @triton.jit
+def _store_rows(b_m, b_l, b_acc, p_sinks, p_out, q0, row, grp, m_valid, i_h, stride_o_t, stride_o_h,
+                G: tl.constexpr, D: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The output rows of a merged partial: l and acc are sums of exp(score - b_m) (natural log; b_m may
+    be -inf when nothing was attended, then both are 0). A sink adds exp(sink - m) to the denominator;
+    a row that attended no token is written as zeros."""
+    attended = b_l > 0
+    if HAS_SINKS:
+        b_sink = tl.load(p_sinks + i_h * G + grp)
+        m_new = tl.maximum(b_m, b_sink)
+        m_base = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp(b_m - m_base)
+        b_l = b_l * w + tl.exp(b_sink - m_base)
+        b_acc = b_acc * w[:, None]
+    b_o = tl.where(attended[:, None], b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None], 0.0)
+    o_d = tl.arange(0, D)
+    p_o = p_out + (q0 + row)[:, None] * stride_o_t + (i_h * G + grp)[:, None] * stride_o_h + o_d[None, :]
+    tl.store(p_o, b_o.to(p_out.dtype.element_ty), mask=m_valid[:, None])
+
+
+@triton.jit
 def _max_partitions(p_cl, stride_cl, n_items, nrows, sliding_window, P, few_target, min_pt, long_pt,
                     ALIGN: tl.constexpr):
     """The most partitions any decode sequence of the batch splits into (<= P): the task space's
@@ -220,9 +242,9 @@ def _max_partitions(p_cl, stride_cl, n_items, nrows, sliding_window, P, few_targ
 
 @triton.jit
 def _partition_task(
-    i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
+    i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out,
     P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
-    stride_q_t, stride_q_h,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
     stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
@@ -230,9 +252,10 @@ def _partition_task(
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BT: tl.constexpr, ALIGN: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
-    V_MAXNUM: tl.constexpr,
+    V_MAXNUM: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
-    """Partition i_p of KV head i_h of work item i_s: its tiles, then its (m, l, acc) partial."""
+    """Partition i_p of KV head i_h of work item i_s: its tiles, then its (m, l, acc) partial (DIRECT: the
+    output rows)."""
     o_m = tl.arange(0, BM)
     o_d = tl.arange(0, D)
     row = o_m // G  # query row within the sequence (decode) or chunk (prefill)
@@ -290,17 +313,21 @@ def _partition_task(
     if not V_PER_TOKEN:
         b_acc = b_acc * tl.load(p_vs)
     b_m = b_m * 0.6931471805599453  # back to natural-log units for the reduce (and the sinks)
-    ws = ((i_s * HKV + i_h) * P + i_p) * BM
-    tl.store(p_ws_m + ws + o_m, b_m, mask=live_p_)
-    tl.store(p_ws_l + ws + o_m, b_l, mask=live_p_)
-    tl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], b_acc, mask=live_p_)
+    if DIRECT:  # one partition per item (P == 1): the task's partial is the result, no reduce launch
+        _store_rows(b_m, b_l, b_acc, p_sinks, p_out, q0, row, grp, m_valid, i_h, stride_o_t, stride_o_h, G, D,
+                    HAS_SINKS)
+    else:
+        ws = ((i_s * HKV + i_h) * P + i_p) * BM
+        tl.store(p_ws_m + ws + o_m, b_m, mask=live_p_)
+        tl.store(p_ws_l + ws + o_m, b_l, mask=live_p_)
+        tl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], b_acc, mask=live_p_)
 
 
 @triton.jit
 def pa_decode_partition_kernel(
-    p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_queue,
+    p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_queue,
     n_items, P, num_sms, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
-    stride_q_t, stride_q_h,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
     stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
@@ -308,19 +335,20 @@ def pa_decode_partition_kernel(
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BT: tl.constexpr, ALIGN: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
-    V_MAXNUM: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr,
+    V_MAXNUM: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr, DIRECT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     # two call sites of the task on purpose: the grid path runs it outside any loop (inside the queue's
     # loop the 4-warp page-64 program grew from 92 to 150 registers)
     if not QUEUE:  # grid (items, Hkv, P): one task per program
         _partition_task(
             tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2),
-            p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
+            p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out,
             P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
-            stride_q_t, stride_q_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
+            stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
             stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
             stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
-            V_MAXNUM)
+            V_MAXNUM, DIRECT, HAS_SINKS)
     else:
         # tasks (item, KV head, partition), partition-major from the highest partition down (the
         # long sequences' partitions first, the short ones' last), bounded by the batch's longest split
@@ -345,12 +373,12 @@ def pa_decode_partition_kernel(
             i_s = ((t % per_part) // HKV).to(tl.int64)
             i_h = t % HKV
             _partition_task(
-                i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
-                P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
-                stride_q_t, stride_q_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
+                i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks,
+                p_out, P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
+                stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
                 stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
                 stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
-                V_MAXNUM)
+                V_MAXNUM, False, HAS_SINKS)
             t = tl.atomic_add(p_queue, 1, sem="relaxed")
 
 
@@ -381,9 +409,6 @@ def pa_decode_reduce_kernel(
     m_all = tl.full([BM], float("-inf"), dtype=tl.float32)
     for p in tl.range(0, n_live):
         m_all = tl.maximum(m_all, tl.load(p_ws_m + base + p * BM + o_m))
-    if HAS_SINKS:
-        b_sink = tl.load(p_sinks + i_h * G + grp)
-        m_all = tl.maximum(m_all, b_sink)
     m_base = tl.where(m_all == float("-inf"), 0.0, m_all)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, D], dtype=tl.float32)
@@ -391,9 +416,5 @@ def pa_decode_reduce_kernel(
         w = tl.exp(tl.load(p_ws_m + base + p * BM + o_m) - m_base)
         b_l += tl.load(p_ws_l + base + p * BM + o_m) * w
         b_acc += tl.load(p_ws_acc + (base + p * BM + o_m)[:, None] * D + o_d[None, :]) * w[:, None]
-    attended = b_l > 0
-    if HAS_SINKS:
-        b_l += tl.exp(b_sink - m_base)
-    b_o = tl.where(attended[:, None], b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None], 0.0)
-    p_o = p_out + (q0 + row)[:, None] * stride_o_t + (i_h * G + grp)[:, None] * stride_o_h + o_d[None, :]
-    tl.store(p_o, b_o.to(p_out.dtype.element_ty), mask=m_valid[:, None])
+    _store_rows(m_base, b_l, b_acc, p_sinks, p_out, q0, row, grp, m_valid, i_h, stride_o_t, stride_o_h, G, D,
+                HAS_SINKS)

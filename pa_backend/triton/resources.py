@@ -20,13 +20,18 @@ SHIPPED_CONFIGS = [(D, bs, m, v5, pt) for D in (64, 128, 256) for bs in (16, 64,
 # 4 bytes with tensor scales (H200: B=81/8k 82 us; uncapped, 207 registers and 9 per SM, 129 us), 48 with
 # the 5-D V layout and per-token scales (not timed on the GPU; the 4-D layout with per-token scales ran
 # B=81/8k in 89 us against 99.5 us before the queue).
-SPILL_ALLOWED = {("prefill", 128, 256): 512, (128, 16, 16, False, False): 4, (128, 16, 16, True, True): 48}
+# The same prefill program writing its rows itself (P = 1, no reduce): 244 bytes (not timed alone; the
+# engine's eager steps run it).
+SPILL_ALLOWED = {("prefill", 128, 256): 512, ("direct-prefill", 128, 256): 512, (128, 16, 16, False, False): 4,
+                 (128, 16, 16, True, True): 48}
 
 
 def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = False, per_token: bool = False,
-                 kernel: str = "partition", ragged: bool = False, queue=None) -> Dict[str, int]:
+                 kernel: str = "partition", ragged: bool = False, queue=None, direct: bool = False,
+                 sinks: bool = False) -> Dict[str, int]:
     """ptxas numbers of one shipped kernel configuration. ``queue``: the partition kernel's launch mode
-    (None: what a shape-only decode plan uses, the task queue for one-warp programs)."""
+    (None: what a shape-only decode plan uses, the task queue for one-warp programs); ``direct``: a grid
+    launch with one partition per item that writes the output rows (no reduce), with ``sinks``."""
     from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel
     from .write_kv import write_kv_kernel
 
@@ -60,7 +65,8 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
             _, bt, warps, stages = prefill_tiling(D, G, block_size)
         constexprs = dict(HKV=1, G=G, QL=QL, BM=BM, D=D, BS=block_size, BT=bt, ALIGN=max(bt, block_size), V5D=v5d,
                           K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged, V_MAXNUM=True,
-                          QUEUE=(warps == 1 and not ragged) if queue is None else queue, SM_SLOTS=256)
+                          QUEUE=(warps == 1 and not ragged and not direct) if queue is None else queue, SM_SLOTS=256,
+                          DIRECT=direct, HAS_SINKS=sinks)
         from . import register_cap
 
         maxnreg = register_cap(warps) if constexprs["QUEUE"] else None
