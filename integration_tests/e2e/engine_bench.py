@@ -7,7 +7,9 @@ accuracy and throughput (issue 16). A benchmark script, not a test:
 
 Engines (one per backend, mode and max_model_len, built once, used for every batch, then freed):
 * eager, max_model_len 1024: accuracy (16 prompts x 64 greedy tokens, logprobs=5) and eager throughput;
-* CUDA graphs (FULL_DECODE_ONLY, no torch.compile), max_model_len 1024 and 131072: throughput.
+* CUDA graphs (FULL_DECODE_ONLY, no torch.compile), max_model_len 1024 and 131072: throughput;
+* compiled (torch.compile, FULL_AND_PIECEWISE graphs), max_model_len 1024: accuracy and throughput.
+``ENGINE_BENCH_ENGINES="BACKEND:MODE:MAX_LEN,..."`` runs a subset.
 Accuracy: FLYDSL against TRITON_ATTN with vLLM's ``check_logprobs_close`` rule (at the first position
 where two greedy sequences differ, each chosen token must be in the other run's top-5), the number of
 identical sequences, the copy rule of the model (``tiny_model.copy_rule_agreement``) and the argmax
@@ -70,6 +72,13 @@ def settings(cpu: bool) -> Settings:
                         engines=[("FLYDSL", "eager", 1024, True), ("FLYDSL", "eager", 131072, True)])
     engines = [(b, "eager", 1024, True) for b in ("FLYDSL", "TRITON_ATTN")]
     engines += [(b, "graphs", n, False) for n in (1024, 131072) for b in ("FLYDSL", "TRITON_ATTN")]
+    engines += [(b, "compiled", 1024, True) for b in ("FLYDSL", "TRITON_ATTN")]
+    pick = os.environ.get("ENGINE_BENCH_ENGINES", "").strip()
+    if pick:  # a subset, e.g. "FLYDSL:compiled:1024,TRITON_ATTN:compiled:1024" (accuracy only for eager / compiled)
+        engines = []
+        for item in pick.split(","):
+            backend, mode, max_len = item.split(":")
+            engines.append((backend, mode, int(max_len), mode != "graphs"))
     return Settings(cpu=False, acc_prompts=16, acc_tokens=64, batches=(16, 64), out_tokens=128, kv_bytes=4 << 30,
                     engines=engines, capture_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64),
                     extra={"gpu_memory_utilization": 0.5})
@@ -132,7 +141,7 @@ class Bench:
 
         from integration_tests.e2e import vllm_gpu
 
-        kw = vllm_gpu.engine_kwargs(mode == "graphs", capture_sizes=self.s.capture_sizes)
+        kw = vllm_gpu.engine_kwargs(mode, capture_sizes=self.s.capture_sizes)
         return LLM(model=str(self.model_dir), skip_tokenizer_init=True, attention_backend=backend,
                    kv_cache_dtype="fp8", block_size=16, dtype="bfloat16", seed=0, max_model_len=max_len,
                    max_num_seqs=max(self.s.batches + (self.s.acc_prompts,)), enable_prefix_caching=False,

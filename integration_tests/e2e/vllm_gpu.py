@@ -18,10 +18,10 @@ GPU counterpart of ``vllm_cpu`` (shared/notes/e2e.md, steps 1-4):
   ``__init__`` (its ``flash_attn_interface`` then reports FA2/FA3 unavailable).
 * Environment (``ENV``, set unless already set): no FlashInfer sampler, the V1 model runner, the
   engine core in this process, max_model_len past the tiny model's positions, HF offline.
-* ``engine_kwargs(graphs)``: vLLM engine arguments that keep every op on its native/Triton path
+* ``engine_kwargs(mode)``: vLLM engine arguments that keep every op on its native/Triton path
   (``custom_ops=["none"]``, IR ops ``native`` first, no FlashInfer autotune, no CuTeDSL/JIT warmup),
-  eager (``enforce_eager``) or CUDA graphs (``mode=0`` i.e. no torch.compile,
-  ``cudagraph_mode="FULL_DECODE_ONLY"``).
+  eager (``enforce_eager``), CUDA graphs (``mode=0`` i.e. no torch.compile,
+  ``cudagraph_mode="FULL_DECODE_ONLY"``) or compiled (torch.compile, ``FULL_AND_PIECEWISE``).
 
 Call ``prepare()`` in the process that builds the engine, before importing ``vllm.LLM``. Nothing
 here needs a GPU to import or register: ``register_ops()`` and ``install_flash_attn_stub()`` run on
@@ -73,6 +73,17 @@ ACTIVATION_OPS = {
 _LIB = None
 
 
+# ops vLLM's torch.compile fusion passes name at import time (vllm/compilation/passes/fusion/*.py: the
+# patterns they match and the fused ops they substitute); declared only, never called: ``engine_kwargs``
+# turns those fusions off (they fuse custom ops that custom_ops=["none"] does not run anyway). The schemas
+# are placeholders for that reason.
+FUSION_PATTERN_OPS = (
+    "rotary_embedding", "static_scaled_fp8_quant", "dynamic_scaled_fp8_quant", "dynamic_per_token_scaled_fp8_quant",
+    "fused_add_rms_norm", "rms_norm", "rms_norm_static_fp8_quant", "fused_add_rms_norm_static_fp8_quant",
+    "rms_norm_dynamic_per_token_quant", "silu_and_mul_quant", "silu_and_mul_per_block_quant", "fused_qk_norm_rope",
+)
+
+
 def _not_built(name):
     def kernel(*args, **kwargs):
         raise NotImplementedError(
@@ -97,6 +108,10 @@ def register_ops() -> None:
         for name, args in ACTIVATION_OPS.items():
             if not hasattr(torch.ops._C, name):
                 lib.define(f"{name}({args}) -> ()")
+                lib.impl(name, _not_built(name), "CompositeExplicitAutograd")
+        for name in FUSION_PATTERN_OPS:
+            if not hasattr(torch.ops._C, name):
+                lib.define(f"{name}(Tensor(a!) out, Tensor input) -> ()")
                 lib.impl(name, _not_built(name), "CompositeExplicitAutograd")
         if not hasattr(torch.ops._C, "weak_ref_tensor"):
             lib.define("weak_ref_tensor(Tensor(a) tensor) -> Tensor(a)")
@@ -162,16 +177,30 @@ def inspect_models_in_process() -> None:
     registry._run_in_subprocess = lambda fn: fn()
 
 
-def engine_kwargs(graphs: bool, capture_sizes=None) -> dict:
-    """``vllm.LLM`` arguments for the extension-less CUDA path: eager, or full CUDA graphs for decode
-    batches only (no torch.compile; ``capture_sizes`` limits the captured batch sizes)."""
+MODES = ("eager", "graphs", "compiled")
+
+
+def engine_kwargs(mode: str, capture_sizes=None) -> dict:
+    """``vllm.LLM`` arguments for the extension-less CUDA path: ``eager``; ``graphs``: full CUDA graphs
+    for decode batches only, no torch.compile; ``compiled``: the model under torch.compile (vLLM's
+    compilation mode 3, inductor) with FULL_AND_PIECEWISE graphs (full graphs for decode batches,
+    piecewise ones around the attention op for the rest). ``capture_sizes`` limits the captured batch
+    sizes."""
     from vllm.config.kernel import IrOpPriorityConfig, KernelConfig
 
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     kernel = KernelConfig(ir_op_priority=IrOpPriorityConfig.with_default(["native"]),
                           enable_flashinfer_autotune=False, enable_cutedsl_warmup=False, enable_jit_warmup=False)
     compilation = {"custom_ops": ["none"]}
-    if graphs:
+    if mode == "graphs":
         compilation.update(mode=0, cudagraph_mode="FULL_DECODE_ONLY")
-        if capture_sizes:
-            compilation["cudagraph_capture_sizes"] = sorted(capture_sizes)
-    return {"kernel_config": kernel, "compilation_config": compilation, "enforce_eager": not graphs}
+    elif mode == "compiled":
+        # no fusion passes: they rewrite vLLM's custom ops, which custom_ops=["none"] replaces by torch code
+        fusions = ("fuse_norm_quant", "fuse_act_quant", "fuse_attn_quant", "fuse_allreduce_rms",
+                   "enable_qk_norm_rope_fusion", "fuse_rope_kvcache_cat_mla", "fuse_act_padding",
+                   "fuse_mla_dual_rms_norm", "fuse_rope_kvcache", "fuse_qk_norm_rope_kvcache")
+        compilation.update(mode=3, cudagraph_mode="FULL_AND_PIECEWISE", pass_config={f: False for f in fusions})
+    if mode != "eager" and capture_sizes:
+        compilation["cudagraph_capture_sizes"] = sorted(capture_sizes)
+    return {"kernel_config": kernel, "compilation_config": compilation, "enforce_eager": mode == "eager"}
