@@ -295,7 +295,10 @@ def _memo_get(key):
         return None
     hit = _CALL_MEMO.get(key)
     if hit is not None:
-        _CALL_MEMO.move_to_end(key)
+        try:
+            _CALL_MEMO.move_to_end(key)
+        except KeyError:  # evicted meanwhile by another thread: the facts are still right
+            pass
     return hit
 
 
@@ -313,8 +316,11 @@ def _memo_put(key, device: torch.device, facts: tuple) -> None:
     if key is None or device.type == "meta":  # meta tensors share addresses (0): never stored
         return
     _CALL_MEMO[key] = facts
-    if len(_CALL_MEMO) > _CALL_MEMO_SIZE:
-        _CALL_MEMO.popitem(last=False)
+    while len(_CALL_MEMO) > _CALL_MEMO_SIZE:
+        try:
+            _CALL_MEMO.popitem(last=False)
+        except KeyError:
+            break
 
 
 def check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, value_scale, softmax_scale=None,
