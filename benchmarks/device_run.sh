@@ -5,7 +5,8 @@
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
 # Optional wheels (fla-core for the composed KDA baseline) travel in .whl/ and go to /tmp/site.
 # Each step's output goes to $OUT/<step>.txt; bench CSVs to $OUT/<op>_bench.csv; e2e-vllm's CSV and accuracy
-# summary to $OUT/e2e/. The vLLM steps need .whl/vllm/ (bash benchmarks/make_device_bundle.sh vllm).
+# summary to $OUT/e2e/. The vLLM steps need .whl/vllm/ (bash benchmarks/make_device_bundle.sh vllm), tests-sglang
+# .whl/extra/ and .whl/vllm/ (make_device_bundle.sh sglang; carry ".whl").
 set -u
 steps=${*:-tests-kda tests-pa verify bench-kda bench-pa}
 out=${OUT:-/tmp/out}
@@ -29,14 +30,17 @@ eps = "".join(f"[{g}]\n" + "".join(f"{k} = {v}\n" for k, v in e.items()) + "\n"
 PY
 }
 sglang_env() {
-  # SGLang for integration_tests/sglang: its pure-Python tree (.whl/extra/sglang-*-py.tar.gz, import-time
-  # deps as wheels in .whl/) and the sgl_kernel stand-in (its CUDA wheel is not carried; nothing in the
-  # tests calls it)
-  mkdir -p /tmp/sgl
+  # SGLang for integration_tests/sglang: its pure-Python tree (.whl/extra/sglang-*-py.tar.gz), its import-time
+  # deps the image lacks (.whl/extra/*.whl, plus the vllm bundle's wheels: pydantic, msgspec, zmq, ...; both
+  # from benchmarks/make_device_bundle.sh) and the sgl_kernel stand-in (its CUDA wheel is not carried; nothing
+  # in the tests calls it)
+  mkdir -p /tmp/sgl /tmp/sgl-deps
   for t in .whl/extra/sglang-*-py.tar.gz; do [ -f "$t" ] && tar xzf "$t" -C /tmp/sgl; done
+  ls .whl/extra/*.whl .whl/vllm/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --target /tmp/sgl-deps $(ls .whl/extra/*.whl .whl/vllm/*.whl 2>/dev/null) >&2
   cp -r integration_tests/sglang/device_stubs/sgl_kernel /tmp/sgl/
   checkout_dist_info /tmp/sgl
-  echo "/tmp/sgl:$PWD/integration_tests/stubs"
+  echo "/tmp/sgl:$PWD/integration_tests/stubs:/tmp/sgl-deps"
 }
 vllm_env() {
   # vLLM for integration_tests/vllm: its Python tree without the CUDA extensions

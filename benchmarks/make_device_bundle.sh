@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build what a device call carries in .whl/ (git-ignored) for benchmarks/device_run.sh:
 #   bash benchmarks/make_device_bundle.sh vllm [VENV]      (VENV: default /work/venv-vllm)
+#   bash benchmarks/make_device_bundle.sh sglang [VENV]    (VENV: default /work/venv-sgl; needs the vllm bundle too)
 # vllm:
 # * .whl/vllm/vllm-<version>-py.tar.gz: vLLM's Python tree (the `vllm` package and its dist-info, which
 #   platform detection reads) from a CPU venv where vllm was installed with --no-deps
@@ -12,21 +13,43 @@
 #   minus what the image holds, plus typing-extensions (pydantic-core 2.50 needs >= 4.16, newer than
 #   the image's torch-era copy is known to be) and jiter (an openai requirement). manylinux tags up to
 #   2_34 are named one by one: pip does not widen a --platform tag (the image's glibc is newer).
+# sglang (for the integration_tests/sglang GPU cases; carry all of .whl, ~50 MiB):
+# * .whl/extra/sglang-<version>-py.tar.gz: SGLang's Python tree without compiled files (~17 MiB);
+# * .whl/extra/*.whl: what the modules those tests import need beyond the image and the vllm bundle's
+#   wheels (found by listing the site-packages modules an import of them loads: 2026-12-04).
 # Prints the sizes: everything a call carries, the repository included, must stay under 64 MiB.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-what=${1:?usage: make_device_bundle.sh vllm [VENV]}
+what=${1:?usage: make_device_bundle.sh vllm|sglang [VENV]}
 case $what in
-  vllm) ;;
-  *) echo "unknown bundle $what (vllm)" >&2; exit 2 ;;
+  vllm) venv=${2:-/work/venv-vllm}; dest="$root/.whl/vllm" ;;
+  sglang) venv=${2:-/work/venv-sgl}; dest="$root/.whl/extra" ;;
+  *) echo "unknown bundle $what (vllm, sglang)" >&2; exit 2 ;;
 esac
-venv=${2:-/work/venv-vllm}
 py="$venv/bin/python"
 site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-version=$("$py" -c 'import importlib.metadata as m; print(m.version("vllm"))')
-dest="$root/.whl/vllm"
+version=$("$py" -c 'import importlib.metadata as m, sys; print(m.version(sys.argv[1]))' "$what")
 rm -rf "$dest"
 mkdir -p "$dest"
+
+download() {  # pinned wheels for CPython 3.12 x86_64 into $dest
+  # shellcheck disable=SC2046
+  "$py" -m pip download -q --no-deps --only-binary=:all: --implementation cp --python-version 3.12 \
+    $(for v in 2014 _2_17 _2_24 _2_27 _2_28 _2_31 _2_34; do echo --platform "manylinux${v}_x86_64"; done) \
+    --platform any -d "$dest" "$@"
+}
+pins() {  # name==version of each distribution as installed in the venv
+  "$py" -c 'import importlib.metadata as m, sys; print(" ".join(f"{d}=={m.version(d)}" for d in sys.argv[1:]))' "$@"
+}
+
+if [ "$what" = sglang ]; then
+  tar czf "$dest/sglang-$version-py.tar.gz" -C "$site" --exclude='*.so' --exclude='__pycache__' --exclude='*.pyc' \
+    sglang "sglang-$version.dist-info"
+  # shellcheck disable=SC2046
+  download $(pins gguf traitlets opentelemetry-api dill uvicorn ipython)
+  du -cb "$dest"/* | awk 'END {printf "bundle .whl/extra: %.1f MiB\n", $1 / 1048576}'
+  exit 0
+fi
 
 tar czf "$dest/vllm-$version-py.tar.gz" -C "$site" \
   --exclude='*.so' --exclude='__pycache__' --exclude='*.pyc' --exclude='vllm/vllm-rs' \
@@ -38,15 +61,8 @@ tar czf "$dest/vllm-$version-py.tar.gz" -C "$site" \
 deps=(annotated-types apache-tvm-ffi cachetools cbor2 compressed-tensors fastapi httpcore2 httpx2 llguidance
       loguru msgspec openai openai-harmony orjson partial-json-parser pybase64 pydantic pydantic-core pyzmq
       sniffio starlette truststore typing-inspection xgrammar typing-extensions jiter)
-pins=$("$py" - "${deps[@]}" <<'PY'
-import importlib.metadata as m, sys
-print(" ".join(f"{d}=={m.version(d)}" for d in sys.argv[1:]))
-PY
-)
-# shellcheck disable=SC2086
-"$py" -m pip download -q --no-deps --only-binary=:all: --implementation cp --python-version 3.12 \
-  $(for v in 2014 _2_17 _2_24 _2_27 _2_28 _2_31 _2_34; do echo --platform "manylinux${v}_x86_64"; done) \
-  --platform any -d "$dest" $pins
+# shellcheck disable=SC2046
+download $(pins "${deps[@]}")
 
 echo "bundle $dest:"
 ls -l "$dest" | awk 'NR > 1 {printf "  %8.1f KiB  %s\n", $5 / 1024, $9}'
