@@ -9,18 +9,22 @@ SGLang's ``CpuDeviceMixin`` (host memory, ``gloo``, ``torch.device("cpu")``) mar
 that SGLang's layers take their platform-neutral torch paths (``BaseFusedOp`` dispatches
 ``forward_native`` on an OOT platform with no ``forward_<key>``), Triton and graph capture are off
 (``PlatformCapabilities()`` defaults), and the attention is whatever ``--attention-backend`` names
-(here this project's ``flydsl`` backend, whose kernels are the torch reference on CPU).
+(here this project's ``flydsl`` backend, whose kernels are the torch reference on CPU). No
+compiled-op stand-ins were needed on this platform: the layers of the tiny Llama (RMSNorm, RoPE,
+SiLU-and-mul, linear, embedding) and the sampler ran their torch paths, the KV writes and attention
+are this project's, and the radix cache's tree core is a native extension shipped inside the
+sglang wheel itself (``srt/mem_cache/rust_tree_core``), which loads on CPU.
 
 The platform is found through an entry point, in every SGLang process (the engine's scheduler and
 detokenizer are spawned processes): ``prepare(tmpdir)`` writes a small ``.dist-info`` declaring it
 into ``tmpdir`` and puts ``tmpdir`` and the repository root on ``PYTHONPATH`` (the spawned processes
-inherit the environment). Nothing in the installed sglang package is modified.
+inherit the environment). ``SGLANG_PLATFORM`` names it, so no other platform is probed. Nothing
+in the installed sglang package is modified.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +85,7 @@ def install_trace(path) -> None:
     """Append one JSON line to ``path`` per layer call of this project's paged attention
     (``pa_backend.plan.PAPlan.run``: what ``FlyDSLAttnBackend.forward_decode`` / ``forward_extend``
     run), with the batch it served: decode or ragged (prefill / extend / mixed), the query rows of
-    each sequence, their context lengths and the KV cache's dtype. The test reads it to prove the
+    each sequence, their context lengths and the KV cache's dtype and shapes. The test reads it to prove the
     engine's batches ran through the flydsl backend and which shapes they had. Test-only."""
     import json
 
@@ -99,7 +103,8 @@ def install_trace(path) -> None:
         qsl = b.query_start_loc_host
         rows = [b.query_length] * b.num_seqs if qsl is None else [qsl[i + 1] - qsl[i] for i in range(b.num_seqs)]
         rec = {"pid": os.getpid(), "plan": self._trace_id, "decode": b.is_decode, "rows": rows,
-               "ctx": b.context_lengths.tolist(), "kv_dtype": str(key_cache.dtype), "tokens": int(query.shape[0])}
+               "ctx": b.context_lengths.tolist(), "tokens": int(query.shape[0]), "kv_dtype": str(key_cache.dtype),
+               "k_shape": list(key_cache.shape), "v_shape": list(value_cache.shape)}
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         return real(self, query, key_cache, value_cache, *a, **k)
@@ -115,9 +120,11 @@ def read_trace(path) -> list:
     return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
 
 
-def prepare(tmpdir) -> dict:
-    """Declare the platform entry point in ``tmpdir`` and return the environment for SGLang
-    (also applied to ``os.environ`` / ``sys.path`` of this process)."""
+def prepare(tmpdir, monkeypatch=None) -> dict:
+    """Declare the platform entry point in ``tmpdir`` and return the environment SGLang's processes
+    need: give it to a server subprocess, or pass pytest's ``monkeypatch`` to apply it to this
+    process (``os.environ``, inherited by the engine's spawned processes, and ``sys.path``, where
+    this process's own platform lookup reads entry points), undone with the monkeypatch."""
     tmpdir = Path(tmpdir)
     info = tmpdir / f"{DIST}-0.0.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
@@ -132,8 +139,9 @@ def prepare(tmpdir) -> dict:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
-    os.environ.update(env)
-    for p in reversed(paths):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    if monkeypatch is not None:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        for p in reversed(paths):
+            monkeypatch.syspath_prepend(p)
     return env

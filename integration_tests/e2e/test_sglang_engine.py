@@ -23,13 +23,15 @@ import torch
 
 pytest.importorskip("sglang")
 for _mod in ("uvloop", "setproctitle", "xgrammar"):
-    pytest.importorskip(_mod, reason=f"{_mod} missing: build the venv with integration_tests/setup-cpu-env.sh sglang DIR")
+    pytest.importorskip(_mod, reason=f"{_mod} missing: build the venv with "
+                                     "integration_tests/setup-cpu-env.sh sglang DIR")
 
 from integration_tests.e2e import sglang_cpu  # noqa: E402
 from integration_tests.e2e import tiny_model as tm  # noqa: E402
 
 NEW_TOKENS = 24
 CHUNK = 64
+PAGE = 16
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +49,17 @@ def engine(model_dir, trace, tmp_path_factory):
     if torch.cuda.is_available():
         pytest.skip("the CPU engine case")
     mp = pytest.MonkeyPatch()
-    env = sglang_cpu.prepare(tmp_path_factory.mktemp("sgl_platform"))
-    for k, v in env.items():
-        mp.setenv(k, v)
+    sglang_cpu.prepare(tmp_path_factory.mktemp("sgl_platform"), mp)
     mp.setenv(sglang_cpu.TRACE_ENV, str(trace))
     import sglang
 
     eng = sglang.Engine(model_path=str(model_dir), attention_backend="flydsl", kv_cache_dtype="fp8_e4m3",
-                        page_size=16, device="cpu", skip_tokenizer_init=True, dtype="bfloat16", random_seed=0,
+                        page_size=PAGE, device="cpu", skip_tokenizer_init=True, dtype="bfloat16", random_seed=0,
                         disable_cuda_graph=True, max_total_tokens=16384, max_running_requests=16,
-                        chunked_prefill_size=CHUNK, enable_mixed_chunk=True, log_level="warning")
+                        chunked_prefill_size=CHUNK, enable_mixed_chunk=True, log_level="warning",
+                        # an idle scheduler otherwise polls at 100% of a core: half of a 2-core CI box,
+                        # taken from the HF references this process computes between batches
+                        sleep_on_idle=True)
     try:
         yield eng
     finally:
@@ -76,13 +79,16 @@ def _generate(eng, trace, prompts, n=NEW_TOKENS):
 
 
 def _check_calls(calls):
-    """Every attention call ran in a scheduler process (not this one), on the FP8 cache, and each
-    planned batch ran once per layer."""
+    """Every attention call ran in a scheduler process (not this one), on this project's FP8 pool
+    (``FlyDSLMHATokenToKVPool``: K [blocks, Hkv, D/16, page, 16], V [blocks, Hkv, page/16, D, 16]),
+    and each planned batch ran once per layer."""
     import os
 
     assert calls, "no attention call reached the flydsl backend"
     assert all(c["pid"] != os.getpid() for c in calls)
     assert {c["kv_dtype"] for c in calls} == {"torch.float8_e4m3fn"}, {c["kv_dtype"] for c in calls}
+    assert {(tuple(c["k_shape"][1:]), tuple(c["v_shape"][1:])) for c in calls} == {
+        ((tm.KV_HEADS, tm.HEAD_DIM // 16, PAGE, 16), (tm.KV_HEADS, PAGE // 16, tm.HEAD_DIM, 16))}, calls[0]
     per_plan = {}
     for c in calls:
         per_plan[c["plan"]] = per_plan.get(c["plan"], 0) + 1
