@@ -146,3 +146,32 @@ def test_chunked_prefill_mixed_with_decodes(engine, model_dir, trace):
     assert max(sum(c["rows"]) for c in prefill) <= CHUNK + 16, "a prefill batch exceeded the chunk size"
     mixed = [c for c in prefill if 1 in c["rows"] and max(c["rows"]) > 1]
     assert mixed, "no mixed batch (decode rows + a prefill chunk) ran through the backend"
+
+
+def test_retraction(model_dir, trace, tmp_path_factory):
+    """Retraction (SGLang's preemption): with SGLang's own test switch ``SGLANG_TEST_RETRACT`` the
+    scheduler retracts running decode requests every 3rd step (``ScheduleBatch.retract_decode``:
+    their KV pages freed, the requests queued again and re-prefilled, partly from the radix cache).
+    Every request still follows the copy rule and equals HF's greedy tokens."""
+    mp = pytest.MonkeyPatch()
+    sglang_cpu.prepare(tmp_path_factory.mktemp("sgl_platform_retract"), mp)
+    mp.setenv(sglang_cpu.TRACE_ENV, str(trace))
+    mp.setenv("SGLANG_TEST_RETRACT", "1")
+    import sglang
+
+    eng = sglang.Engine(model_path=str(model_dir), attention_backend="flydsl", kv_cache_dtype="fp8_e4m3",
+                        page_size=PAGE, device="cpu", skip_tokenizer_init=True, dtype="bfloat16", random_seed=0,
+                        disable_cuda_graph=True, max_total_tokens=4096, max_running_requests=8,
+                        chunked_prefill_size=CHUNK, context_length=512, log_level="warning", sleep_on_idle=True)
+    try:
+        prompts = tm.prompts(8, seed=5, length=(20, 60))
+        gen, outs, calls = _generate(eng, trace, prompts, n=32)
+    finally:
+        eng.shutdown()
+        mp.undo()
+    retractions = [o["meta_info"].get("num_retractions", 0) for o in outs]
+    assert sum(retractions) > 0, retractions
+    for p, g in zip(prompts, gen):
+        assert tm.copy_rule_agreement(p, g) == 1.0, (p, g)
+    assert gen == tm.hf_greedy(model_dir, prompts, 32)
+    _check_calls(calls)
