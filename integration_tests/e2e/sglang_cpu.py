@@ -3,7 +3,9 @@ project's CI installs SGLang's Python tree only), for ``--attention-backend flyd
 
 SGLang's own CPU engine (``SGLANG_USE_CPU_ENGINE=1``) imports ``sgl_kernel`` CPU ops at module import
 time (``kernels/ops/kvcache/cache_move.py`` -> ``copy_all_layer_kv_cache_cpu``, ...), so it cannot
-start here. Instead this module provides an **out-of-tree platform** through SGLang's own platform
+start here. With no platform at all (``device="cpu"`` on the base ``SRTPlatform``) the model build
+stops at ``RotaryEmbedding``, which then imports ``vllm._custom_ops.rotary_embedding``
+(``srt/layers/rotary_embedding/base.py:138``). Instead this module provides an **out-of-tree platform** through SGLang's own platform
 plugin group ``sglang.srt.platforms`` (``srt/platforms/__init__.py``): ``TestCpuPlatform`` is
 SGLang's ``CpuDeviceMixin`` (host memory, ``gloo``, ``torch.device("cpu")``) marked out-of-tree, so
 that SGLang's layers take their platform-neutral torch paths (``BaseFusedOp`` dispatches
