@@ -1,21 +1,22 @@
 """What a real SGLang 0.5.23 engine needs to serve on a bare CPU machine without sgl_kernel (this
 project's CI installs SGLang's Python tree only), for ``--attention-backend flydsl``.
 
-SGLang's own CPU engine (``SGLANG_USE_CPU_ENGINE=1``) imports ``sgl_kernel`` CPU ops at module import
-time (``kernels/ops/kvcache/cache_move.py`` -> ``copy_all_layer_kv_cache_cpu``, ...), so it cannot
-start here. With no platform at all (``device="cpu"`` on the base ``SRTPlatform``) the model build
-stops at ``RotaryEmbedding``, which then imports ``vllm._custom_ops.rotary_embedding``
-(``srt/layers/rotary_embedding/base.py:138``). Instead this module provides an **out-of-tree platform** through SGLang's own platform
-plugin group ``sglang.srt.platforms`` (``srt/platforms/__init__.py``): ``TestCpuPlatform`` is
-SGLang's ``CpuDeviceMixin`` (host memory, ``gloo``, ``torch.device("cpu")``) marked out-of-tree, so
-that SGLang's layers take their platform-neutral torch paths (``BaseFusedOp`` dispatches
-``forward_native`` on an OOT platform with no ``forward_<key>``), Triton and graph capture are off
-(``PlatformCapabilities()`` defaults), and the attention is whatever ``--attention-backend`` names
-(here this project's ``flydsl`` backend, whose kernels are the torch reference on CPU). No
-compiled-op stand-ins were needed on this platform: the layers of the tiny Llama (RMSNorm, RoPE,
-SiLU-and-mul, linear, embedding) and the sampler ran their torch paths, the KV writes and attention
-are this project's, and the radix cache's tree core is a native extension shipped inside the
-sglang wheel itself (``srt/mem_cache/rust_tree_core``), which loads on CPU.
+SGLang's own CPU engine (``SGLANG_USE_CPU_ENGINE=1``) imports ``sgl_kernel`` CPU ops at module
+import time (``kernels/ops/kvcache/cache_move.py`` -> ``copy_all_layer_kv_cache_cpu``, ...), so it
+cannot start here. With no platform at all (``device="cpu"`` on the base ``SRTPlatform``) the model
+build stops at ``RotaryEmbedding``, which then imports ``vllm._custom_ops.rotary_embedding``
+(``srt/layers/rotary_embedding/base.py:138``). Instead this module provides an **out-of-tree
+platform** through SGLang's own platform plugin group ``sglang.srt.platforms``
+(``srt/platforms/__init__.py``): ``TestCpuPlatform`` is SGLang's ``CpuDeviceMixin`` (host memory,
+``gloo``, ``torch.device("cpu")``) marked out-of-tree, so that SGLang's layers take their
+platform-neutral torch paths (``BaseFusedOp`` dispatches ``forward_native`` on an OOT platform with
+no ``forward_<key>``), Triton and graph capture are off (``PlatformCapabilities()`` defaults), and
+the attention is whatever ``--attention-backend`` names (here this project's ``flydsl`` backend,
+whose kernels are the torch reference on CPU). No compiled-op stand-ins were needed on this
+platform: the layers of the tiny Llama (RMSNorm, RoPE, SiLU-and-mul, linear, embedding) and the
+sampler ran their torch paths, the KV writes and attention are this project's, and the radix cache's
+tree core is a native extension shipped inside the sglang wheel itself
+(``srt/mem_cache/rust_tree_core``), which loads on CPU.
 
 The platform is found through an entry point, in every SGLang process (the engine's scheduler and
 detokenizer are spawned processes): ``prepare(tmpdir)`` writes a small ``.dist-info`` declaring it
