@@ -1,0 +1,150 @@
+"""What a real SGLang 0.5.23 engine needs to serve on a bare CPU machine without sgl_kernel (this
+project's CI installs SGLang's Python tree only), for ``--attention-backend flydsl``.
+
+SGLang's own CPU engine (``SGLANG_USE_CPU_ENGINE=1``) imports ``sgl_kernel`` CPU ops at module
+import time (``kernels/ops/kvcache/cache_move.py`` -> ``copy_all_layer_kv_cache_cpu``, ...), so it
+cannot start here. With no platform at all (``device="cpu"`` on the base ``SRTPlatform``) the model
+build stops at ``RotaryEmbedding``, which then imports ``vllm._custom_ops.rotary_embedding``
+(``srt/layers/rotary_embedding/base.py:138``). Instead this module provides an **out-of-tree
+platform** through SGLang's own platform plugin group ``sglang.srt.platforms``
+(``srt/platforms/__init__.py``): ``TestCpuPlatform`` is SGLang's ``CpuDeviceMixin`` (host memory,
+``gloo``, ``torch.device("cpu")``) marked out-of-tree, so that SGLang's layers take their
+platform-neutral torch paths (``BaseFusedOp`` dispatches ``forward_native`` on an OOT platform with
+no ``forward_<key>``), Triton and graph capture are off (``PlatformCapabilities()`` defaults), and
+the attention is whatever ``--attention-backend`` names (here this project's ``flydsl`` backend,
+whose kernels are the torch reference on CPU). No compiled-op stand-ins were needed on this
+platform: the layers of the tiny Llama (RMSNorm, RoPE, SiLU-and-mul, linear, embedding) and the
+sampler ran their torch paths, the KV writes and attention are this project's, and the radix cache's
+tree core is a native extension shipped inside the sglang wheel itself
+(``srt/mem_cache/rust_tree_core``), which loads on CPU.
+
+The platform is found through an entry point, in every SGLang process (the engine's scheduler and
+detokenizer are spawned processes): ``prepare(tmpdir)`` writes a small ``.dist-info`` declaring it
+into ``tmpdir`` and puts ``tmpdir`` and the repository root on ``PYTHONPATH`` (the spawned processes
+inherit the environment). ``SGLANG_PLATFORM`` names it, so no other platform is probed. Nothing
+in the installed sglang package is modified.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DIST = "flydsl_backends_test_cpu_platform"
+PLATFORM_NAME = "flydsl_test_cpu"
+
+
+def _platform_class():
+    from sglang.srt.platforms.cpu import CpuDeviceMixin
+    from sglang.srt.platforms.interface import PlatformCapabilities, PlatformEnum, SRTPlatform
+
+    class TestCpuPlatform(CpuDeviceMixin, SRTPlatform):
+        """SGLang's CPU device operations as an out-of-tree platform: no Triton, no graphs, no
+        sgl_kernel; layers run their torch-native forwards."""
+
+        _enum = PlatformEnum.OOT
+        device_name = "cpu"
+        device_type = "cpu"
+        capabilities = PlatformCapabilities()
+
+        def get_default_attention_backend(self) -> str:
+            return "flydsl"
+
+        def get_dispatch_key_name(self) -> str:
+            return "native"
+
+        def is_pin_memory_available(self, device=None) -> bool:
+            return False
+
+    TestCpuPlatform.__qualname__ = "TestCpuPlatform"
+    TestCpuPlatform.__module__ = __name__
+    return TestCpuPlatform
+
+
+def __getattr__(name):
+    # the class is built lazily (importing this module must not import sglang: the entry point is
+    # loaded by SGLang's platform discovery, which is already running)
+    if name == "TestCpuPlatform":
+        cls = _platform_class()
+        globals()["TestCpuPlatform"] = cls
+        return cls
+    raise AttributeError(name)
+
+
+TRACE_ENV = "FLYDSL_SGLANG_TRACE"
+
+
+def activate():
+    """Entry point of ``sglang.srt.platforms``: the platform's qualified name. SGLang resolves its
+    platform in every process (engine, scheduler, detokenizer), so this is also where the attention
+    trace is installed in the scheduler."""
+    if os.environ.get(TRACE_ENV):
+        install_trace(os.environ[TRACE_ENV])
+    return f"{__name__}:TestCpuPlatform"
+
+
+def install_trace(path) -> None:
+    """Append one JSON line to ``path`` per layer call of this project's paged attention
+    (``pa_backend.plan.PAPlan.run``: what ``FlyDSLAttnBackend.forward_decode`` / ``forward_extend``
+    run), with the batch it served: decode or ragged (prefill / extend / mixed), the query rows of
+    each sequence, their context lengths and the KV cache's dtype and shapes. The test reads it to prove the
+    engine's batches ran through the flydsl backend and which shapes they had. Test-only."""
+    import json
+
+    from pa_backend import plan as pa_plan
+
+    if getattr(pa_plan.PAPlan.run, "_flydsl_trace", False):
+        return
+    real = pa_plan.PAPlan.run
+    count = iter(range(1 << 62))
+
+    def run(self, query, key_cache, value_cache, *a, **k):
+        b = self.batch
+        if "_trace_id" not in self.__dict__:  # id() may be reused once a plan is freed
+            self._trace_id = next(count)
+        qsl = b.query_start_loc_host
+        rows = [b.query_length] * b.num_seqs if qsl is None else [qsl[i + 1] - qsl[i] for i in range(b.num_seqs)]
+        rec = {"pid": os.getpid(), "plan": self._trace_id, "decode": b.is_decode, "rows": rows,
+               "ctx": b.context_lengths.tolist(), "tokens": int(query.shape[0]), "kv_dtype": str(key_cache.dtype),
+               "k_shape": list(key_cache.shape), "v_shape": list(value_cache.shape)}
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        return real(self, query, key_cache, value_cache, *a, **k)
+
+    run._flydsl_trace = True
+    pa_plan.PAPlan.run = run
+
+
+def read_trace(path) -> list:
+    import json
+
+    p = Path(path)
+    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+
+
+def prepare(tmpdir, monkeypatch=None) -> dict:
+    """Declare the platform entry point in ``tmpdir`` and return the environment SGLang's processes
+    need: give it to a server subprocess, or pass pytest's ``monkeypatch`` to apply it to this
+    process (``os.environ``, inherited by the engine's spawned processes, and ``sys.path``, where
+    this process's own platform lookup reads entry points), undone with the monkeypatch."""
+    tmpdir = Path(tmpdir)
+    info = tmpdir / f"{DIST}-0.0.0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DIST}\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(
+        f"[sglang.srt.platforms]\n{PLATFORM_NAME} = integration_tests.e2e.sglang_cpu:activate\n")
+    paths = [str(tmpdir), str(ROOT), str(ROOT / "integration_tests" / "stubs")]
+    old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {
+        "PYTHONPATH": os.pathsep.join(paths + [p for p in old if p not in paths]),
+        "SGLANG_PLATFORM": PLATFORM_NAME,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    if monkeypatch is not None:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        for p in reversed(paths):
+            monkeypatch.syspath_prepend(p)
+    return env

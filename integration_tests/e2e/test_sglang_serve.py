@@ -1,0 +1,189 @@
+"""``python -m sglang.launch_server --attention-backend flydsl`` (SGLang 0.5.23's HTTP server) with an
+FP8 KV cache, on CPU (issue 16).
+
+The server runs as a subprocess on the run-time model of ``tiny_model`` with its word-level
+tokenizer, on the test-side CPU platform of ``sglang_cpu`` (declared through SGLang's platform
+entry-point group; the server's scheduler and detokenizer processes find it too). One ``/generate``
+request (two text prompts, greedy) goes through the HTTP front end, the tokenizer, the scheduler and
+the detokenizer; the answer must follow the model's copy rule and equal HF transformers' greedy
+tokens, and the scheduler's attention trace and log must show the flydsl backend's paged attention
+running. SIGTERM to the server process then has to stop it and its children.
+
+About 40 s on 2 cores. ``FLYDSL_E2E_SKIP_SERVE=1`` skips it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("sglang")
+for _mod in ("uvloop", "setproctitle", "xgrammar", "jsonschema", "soundfile", "multipart", "uvicorn", "fastapi"):
+    pytest.importorskip(_mod, reason=f"{_mod} missing: build the venv with "
+                                     "integration_tests/setup-cpu-env.sh sglang DIR")
+
+from integration_tests.e2e import sglang_cpu  # noqa: E402
+from integration_tests.e2e import tiny_model as tm  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+NEW_TOKENS = 12
+START_TIMEOUT_S = 240
+STOP_TIMEOUT_S = 60
+
+pytestmark = pytest.mark.skipif(os.environ.get("FLYDSL_E2E_SKIP_SERVE") == "1",
+                                reason="FLYDSL_E2E_SKIP_SERVE=1")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url, timeout=5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.read()
+
+
+def _post(url, body, timeout=120.0):
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+class Server:
+    def __init__(self, model_dir: Path, workdir: Path):
+        self.port = _free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.log_path = workdir / "server.log"
+        self.trace = workdir / "attention.jsonl"
+        env = dict(os.environ, **sglang_cpu.prepare(workdir / "platform"), **{sglang_cpu.TRACE_ENV: str(self.trace)})
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--attention-backend", "flydsl", "--kv-cache-dtype", "fp8_e4m3", "--page-size", "16",
+               "--device", "cpu", "--dtype", "bfloat16", "--disable-cuda-graph", "--max-total-tokens", "4096",
+               "--max-running-requests", "8", "--random-seed", "0",
+               "--sleep-on-idle"]  # an idle scheduler otherwise polls at 100% of a core
+        self.log = open(self.log_path, "wb")
+        # its own session: teardown can reach the whole group (server, scheduler, detokenizer)
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+
+    def log_text(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait_ready(self):
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"server exited with {self.proc.returncode} before it was ready:\n"
+                            f"{self.log_text()[-6000:]}")
+            try:
+                if _get(self.base + "/health")[0] == 200:
+                    return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(1.0)
+        pytest.fail(f"server not ready after {START_TIMEOUT_S} s:\n{self.log_text()[-6000:]}")
+
+    def group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def stop(self):
+        """SIGTERM to the server process only (it shuts its children down itself), then SIGKILL to
+        whatever is left in the group after STOP_TIMEOUT_S. Returns (exit status, whether the group
+        was gone before the SIGKILL)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            pass
+        deadline = time.monotonic() + 15
+        while self.group_alive() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        clean = not self.group_alive()
+        if not clean:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(10)
+        self.log.close()
+        return self.proc.returncode, clean
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tm.build(tmp_path_factory.mktemp("tiny_llama_sgl_serve"))
+    tm.save_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the CPU server case")
+    srv = Server(model_dir, tmp_path_factory.mktemp("sgl_serve"))
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        if srv.proc.poll() is None or srv.group_alive():
+            srv.stop()
+
+
+def test_generate_follows_the_kv_and_matches_hf(server, model_dir):
+    info = json.loads(_get(server.base + "/server_info")[1])
+    assert info.get("attention_backend") == "flydsl", {k: info.get(k) for k in ("attention_backend", "device")}
+    assert info.get("kv_cache_dtype") == "fp8_e4m3"
+
+    server.trace.write_text("")  # the server's own warm-up request is not counted
+    prompts = tm.prompts(2, seed=11, length=(12, 30))
+    out = _post(server.base + "/generate", {
+        "text": [tm.as_text(p) for p in prompts],
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}})
+    assert len(out) == 2
+    gen = []
+    for p, o in zip(prompts, out):
+        assert o["meta_info"]["finish_reason"]["type"] == "length", o["meta_info"]
+        assert o["meta_info"]["prompt_tokens"] == len(p)  # the tokenizer: no BOS, word i -> id i
+        ids = o["output_ids"]
+        assert tm.from_text(o["text"]) == ids  # the detokenized text says the same as the ids
+        assert tm.copy_rule_agreement(p, ids) == 1.0, (p, ids)
+        gen.append(ids)
+    assert gen == tm.hf_greedy(model_dir, prompts, NEW_TOKENS)
+
+    calls = sglang_cpu.read_trace(server.trace)
+    assert any(c["decode"] for c in calls) and any(not c["decode"] for c in calls), calls[:4]
+    assert {c["kv_dtype"] for c in calls} == {"torch.float8_e4m3fn"}
+    assert server.proc.pid not in {c["pid"] for c in calls}  # the scheduler process ran them
+    log = server.log_text()
+    # the scheduler's paged-attention calls went through this project's registry (torch on CPU)
+    for op in ("write_kv", "pa_prefill", "pa_decode"):
+        assert f"{op}: backend='auto' chose 'torch'" in log, log[-4000:]
+
+
+def test_sigterm_stops_the_server(server):
+    status, clean = server.stop()
+    log = server.log_text()
+    assert clean, f"processes of the server's group outlived SIGTERM by {STOP_TIMEOUT_S} s:\n{log[-4000:]}"
+    assert status == 0, f"exit status {status}:\n{log[-4000:]}"
+    assert "Application shutdown complete" in log
+    with pytest.raises((urllib.error.URLError, OSError)):
+        _get(server.base + "/health", timeout=2.0)
