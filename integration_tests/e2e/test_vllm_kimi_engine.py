@@ -1,0 +1,123 @@
+"""A real vLLM 0.33 engine (``vllm.LLM``, CPU worker) serving a tiny Kimi-Linear model (3 KDA layers
++ 1 MLA layer, ``tiny_kimi``) with this project's KDA decode hook on (``additional_config
+{"flydsl_kda": true}``: pure decode batches run ``kda_backend.kda_decode``, the torch reference on
+CPU) and off (vLLM's own Triton decode kernel, run by the Triton interpreter).
+
+What it takes on CPU (``vllm_kimi_cpu.prepare``): torch stand-ins for the compiled ops on the path
+(MLA decode / cache insert, the CPU conv-state update), the Triton interpreter for vLLM's KDA
+kernels (FP32 compute for bf16 activations: the interpreter has no bf16 arithmetic), and CPU_MLA
+accepting the hybrid's 128-multiple manager block. See that module.
+
+Same weights, dtype (bf16 activations, FP32 recurrent state) and prompts in both runs: 8 prompts
+of 10-40 tokens, 16-30 greedy tokens each, at most 4 sequences at a time, so the engine runs
+batched prefill, pure decode batches (the hook's path) and mixed prefill+decode batches (vLLM's
+path in both runs, the hook must hand them back). Criterion (vLLM's ``check_logprobs_close``): per
+prompt, at the first position where the runs' tokens differ, each run's token must be in the
+other's top-5 logprobs. The on-run must actually have used our op.
+
+Runtime on 2 CPU cores: about 5 minutes (two engines; the interpreter dominates).
+Run: VLLM_TARGET_DEVICE=cpu /path/to/venv-vllm/bin/python -m pytest -q integration_tests/e2e/test_vllm_kimi_engine.py
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from integration_tests.e2e import tiny_kimi  # noqa: E402
+from integration_tests.e2e import vllm_kimi_cpu  # noqa: E402
+
+PROMPTS = 8
+NEW_TOKENS = 16  # prompt i gets NEW_TOKENS + 2 i: staggered finishes give mixed prefill+decode batches
+TOP = 5
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_kimi.build(tmp_path_factory.mktemp("tiny_kimi"))
+
+
+def _serve(model_dir, hook: bool):
+    """Greedy tokens and top-5 logprobs of the 8 prompts, and how many times our op ran."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU engine case")
+    try:
+        vllm_kimi_cpu.prepare()
+    except vllm_kimi_cpu.TritonUnavailable as exc:
+        pytest.skip(str(exc))
+    import kda_backend.api as api
+    from vllm import LLM, SamplingParams
+
+    calls = []
+    original = api.kda_decode
+
+    def counted(*args, **kwargs):  # kda_backend.vllm imports api.kda_decode at call time
+        calls.append(int(kwargs["x"].shape[0]))
+        return original(*args, **kwargs)
+
+    api.kda_decode = counted
+    try:
+        llm = LLM(model=str(model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0, enforce_eager=True,
+                  compilation_config={"custom_ops": ["none"]}, max_num_seqs=4, max_model_len=512,
+                  enable_prefix_caching=False, kv_cache_memory_bytes=64 << 20,
+                  additional_config={"flydsl_kda": hook})
+        prompts = tiny_kimi.prompts(PROMPTS, seed=1)
+        params = [SamplingParams(max_tokens=NEW_TOKENS + 2 * i, temperature=0.0, ignore_eos=True, logprobs=TOP)
+                  for i in range(PROMPTS)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        res = [(list(o.outputs[0].token_ids), [{int(t): float(lp.logprob) for t, lp in d.items()}
+                                               for d in o.outputs[0].logprobs]) for o in outs]
+        del llm
+        gc.collect()
+    finally:
+        api.kda_decode = original
+    return res, calls
+
+
+def compare(a, b, top=TOP):
+    """vLLM's check_logprobs_close rule over sequences ``a`` and ``b`` ([(ids, logprob dicts)]).
+    Returns (failures, identical sequences, compared positions, max |logprob difference| of the
+    chosen token over the positions before each sequence's first difference)."""
+    failures, same, positions, max_diff = [], 0, 0, 0.0
+    for i, ((ids_a, lp_a), (ids_b, lp_b)) in enumerate(zip(a, b)):
+        assert len(ids_a) == len(ids_b)
+        for j, (ta, tb) in enumerate(zip(ids_a, ids_b)):
+            positions += 1
+            if ta != tb:
+                top_a = sorted(lp_a[j], key=lp_a[j].get, reverse=True)[:top]
+                top_b = sorted(lp_b[j], key=lp_b[j].get, reverse=True)[:top]
+                if ta not in top_b or tb not in top_a:
+                    failures.append(f"prompt {i} position {j}: {ta} vs {tb} (top-{top} {top_a} / {top_b})")
+                break
+            max_diff = max(max_diff, abs(lp_a[j][ta] - lp_b[j][tb]))
+        else:
+            same += 1
+    return failures, same, positions, max_diff
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir):
+    off, off_calls = _serve(model_dir, hook=False)
+    on, on_calls = _serve(model_dir, hook=True)
+    return off, off_calls, on, on_calls
+
+
+def test_hook_ran_on_decode_batches_only_when_enabled(runs):
+    off, off_calls, on, on_calls = runs
+    assert off_calls == []
+    # 3 KDA layers per decode step; decode batches of 1-4 rows (the engine never pads on CPU)
+    assert len(on_calls) >= 3 * NEW_TOKENS and len(on_calls) % 3 == 0
+    assert set(on_calls) <= {1, 2, 3, 4} and 4 in on_calls
+    assert [len(ids) for ids, _ in on] == [NEW_TOKENS + 2 * i for i in range(PROMPTS)]
+
+
+def test_hook_on_matches_vllm_kda_decode(runs):
+    off, _, on, _ = runs
+    failures, same, positions, max_diff = compare(on, off)
+    print(f"\nKimi-Linear on vLLM, KDA decode hook on vs off: {same}/{PROMPTS} sequences identical, "
+          f"{positions} positions compared, max |logprob diff| {max_diff:.4f}")
+    assert not failures, failures

@@ -1,0 +1,285 @@
+"""What a vLLM 0.33 engine needs, beyond ``vllm_cpu.prepare()``, to serve a Kimi-Linear model
+(KDA linear-attention layers + MLA layers) on a CPU machine without vLLM's compiled CPU extension.
+Test-side only; nothing here changes an installed file.
+
+* ``torch.ops._C.mla_decode_kvcache(out, q, kv_cache, scale, block_tables, seq_lens)``: the CPU MLA
+  decode kernel (``CPU_MLA``'s ``forward_mqa``) in plain torch: for each request, softmax(q . k * scale)
+  over its first ``seq_len`` latent cache rows, times the rows' first ``kv_lora_rank`` columns
+  (the latent "V"), accumulated in FP32.
+* ``torch.ops._C.fused_kimi_k3_mla_key_concat_kv_cache_insert`` (MLA prefill) and
+  ``fused_kimi_k3_mla_decode_q_concat_kv_cache_insert`` (MLA decode), the CUDA epilogues of the Kimi
+  MLA layer (``models/kimi_k3/nvidia/ops/fused_mla_key_concat_kv_cache.py``), in torch for the
+  unquantized cache: the full key ``[k_nope | k_pe]`` (prefill) or the latent query
+  ``[ql_nope | q_pe]`` (decode) and the latent ``[kv_c_normed | k_pe]`` written at each slot >= 0
+  (block = slot // block_size, row = slot % block_size). NoPE only (Kimi-Linear's MLA): a RoPE
+  request (``positions``) raises.
+* ``torch.ops._C.causal_conv1d_update_cpu_vec`` (vLLM's CPU conv-state update, used by the KDA decode
+  on the CPU platform): per row whose state index is not ``pad_slot_id``, the depthwise causal conv
+  over [cached inputs | new input] (+ bias, SiLU), then the cache keeps the newest ``state_len``
+  inputs; skipped rows give zeros.
+* ``CPUMLABackend.supports_block_size``: vLLM accepts only 16, but for a hybrid MLA/Mamba model the
+  platform rounds the *manager* block up to a multiple of 128 so that one attention page holds a KDA
+  state page (``platforms/interface.py`` ``_align_hybrid_block_size``) and then rejects it
+  (``_check_aligned_block_size``). The backend's kernel block stays 16
+  (``get_supported_kernel_block_sizes``), and the runner splits each manager block into kernel
+  blocks of 16, which is what ``forward_mqa`` sees: a multiple of 16 is accepted.
+* ``gather_initial_states`` (the KDA prefill's gather of the recurrent states it continues from,
+  ``model_executor/layers/mamba/ops/gather_initial_states.py``) asserts ``state.is_cuda or
+  state.is_xpu`` before launching its Triton kernel: the Kimi layer module's reference to it is
+  replaced by the same gather in torch (rows without an initial state are zeros).
+* Triton on CPU: vLLM disables Triton when no GPU driver is active (``triton_utils/importing.py``)
+  unless ``CUDA_VISIBLE_DEVICES`` is set and empty (its "distributed start-up" leniency): set that,
+  with ``TRITON_INTERPRET=1``, and the real ``triton`` runs the kernels in its interpreter.
+  ``triton.runtime.autotuner.Autotuner`` benchmarks every config through the active driver (there
+  is none): its ``do_bench`` answers 0 ms without running anything, so the first config is used.
+  The interpreter gives ``triton.language`` builtins its semantics by patching the ``tl`` module a
+  kernel's globals hold, not module-level aliases of them (the FLA ops' ``log = tl.log``,
+  ``exp2 = tl.exp2``, ...: "Did you forget to add @triton.jit?"): its ``_patch_lang`` also patches
+  builtins bound directly in the kernel's module (restored with the rest after the launch).
+  Compiled Triton makes a ``for i in range(n)`` loop variable a tensor (the FLA kernels call
+  ``i_t.to(tl.int64)``), the interpreter leaves it a Python int: while a kernel runs, its module's
+  ``range`` yields the interpreter's int32 scalar tensors instead.
+* BF16 under the Triton interpreter: it stores bf16 as raw uint16 and has no bf16 arithmetic
+  (``InterpreterBuilder`` lacks ``get_bf16``; ``tl.dot`` / ``+`` on bf16 tiles would compute on the
+  bit patterns). The project's KDA decode op takes bf16 activations only, so the engine runs a bf16
+  model, and vLLM's two Triton KDA entry points the Kimi layer calls,
+  ``chunk_kda_with_fused_gate`` (prefill) and ``fused_recurrent_kda_packed_decode`` (decode, the
+  path the hook replaces), are wrapped: bf16/fp16 activations go in as FP32 (vLLM's own kernel then
+  computes in FP32, the recurrent state is FP32 anyway) and the output is rounded back to the
+  activation dtype. In an FP32 model the wrappers pass straight through.
+* Environment: ``VLLM_KIMI_K3_GEMM_AR=0`` (the Kimi model otherwise imports cute-DSL/cutlass to set
+  up a fused GEMM+all-reduce), ``TRITON_INTERPRET=1`` (vLLM's KDA prefill and its conv / decode
+  kernels are Triton: the interpreter runs them on CPU, slowly).
+
+Call ``prepare()`` before ``vllm.LLM`` in the engine's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+before anything has imported ``vllm.triton_utils`` (it raises ``TritonUnavailable`` otherwise: run the module
+in its own pytest process).
+"""
+
+from __future__ import annotations
+
+import os
+
+from integration_tests.e2e import vllm_cpu
+
+_LIB = None
+
+
+class TritonUnavailable(RuntimeError):
+    """The process can no longer run vLLM's Triton kernels (see ``prepare``)."""
+
+
+def _mla_decode(out, query, kv_cache, scale, block_tables, seq_lens):
+    import torch
+
+    rank = int(out.shape[-1])
+    width = int(kv_cache.shape[-1])
+    block = int(kv_cache.shape[1])
+    flat = kv_cache.reshape(-1, width)
+    for i in range(int(query.shape[0])):
+        n = int(seq_lens[i])
+        if n <= 0:
+            out[i].zero_()
+            continue
+        blocks = block_tables[i, : (n + block - 1) // block].long()
+        rows = (blocks[:, None] * block + torch.arange(block)[None, :]).reshape(-1)[:n]
+        kv = flat[rows].float()  # [n, rank + rope]
+        p = torch.softmax((query[i].float() @ kv.T) * scale, dim=-1)  # [H, n]
+        out[i].copy_((p @ kv[:, :rank]).to(out.dtype))
+
+
+def _insert_latent(kv_c, k_pe, kv_cache, slot_mapping, block_size):
+    import torch
+
+    slots = slot_mapping[: kv_c.shape[0]].long()
+    live = torch.nonzero(slots >= 0).flatten()
+    if live.numel():
+        s = slots[live]
+        latent = torch.cat([kv_c[live], k_pe[live].reshape(live.numel(), -1)], dim=-1)
+        kv_cache[s // block_size, s % block_size] = latent.to(kv_cache.dtype)
+
+
+def _no_rope(positions, cos_sin_cache):
+    if positions is not None or cos_sin_cache is not None:
+        raise NotImplementedError("test stand-in: the Kimi MLA epilogue with RoPE is not provided (NoPE only)")
+
+
+def _mla_key_concat_insert(q, k_nope, k_pe, kv_c, k_out, kv_cache, slot_mapping, block_size, positions,
+                           cos_sin_cache):
+    _no_rope(positions, cos_sin_cache)
+    pe = k_pe.reshape(k_pe.shape[0], 1, -1)
+    k_out[..., : k_nope.shape[-1]] = k_nope
+    k_out[..., k_nope.shape[-1]:] = pe.to(k_out.dtype)
+    _insert_latent(kv_c, k_pe, kv_cache, slot_mapping, block_size)
+
+
+def _mla_decode_q_concat_insert(ql_nope, q_pe, kv_c, k_pe, mqa_q, kv_cache, slot_mapping, block_size, positions,
+                                cos_sin_cache):
+    _no_rope(positions, cos_sin_cache)
+    mqa_q[..., : ql_nope.shape[-1]] = ql_nope
+    mqa_q[..., ql_nope.shape[-1]:] = q_pe.to(mqa_q.dtype)
+    _insert_latent(kv_c, k_pe, kv_cache, slot_mapping, block_size)
+
+
+def _conv_update(x, conv_state, weight, bias, activation, conv_state_indices, query_start_loc, pad_slot_id):
+    import torch
+    import torch.nn.functional as F
+
+    if query_start_loc is not None:
+        raise NotImplementedError("test stand-in: varlen causal_conv1d_update is not provided")
+    squeeze = x.dim() == 2
+    xs = x.unsqueeze(-1) if squeeze else x  # [B, dim, L]
+    out = torch.zeros_like(xs)
+    state_len = int(conv_state.shape[-1])
+    width = int(weight.shape[-1])
+    for b in range(int(xs.shape[0])):
+        idx = int(conv_state_indices[b]) if conv_state_indices is not None else b
+        if idx == pad_slot_id:
+            continue
+        window = torch.cat([conv_state[idx].float(), xs[b].float()], dim=-1)  # [dim, state_len + L]
+        for t in range(int(xs.shape[-1])):
+            y = (window[:, t + state_len + 1 - width: t + state_len + 1] * weight.float()).sum(-1)
+            if bias is not None:
+                y = y + bias.float()
+            out[b, :, t] = (F.silu(y) if activation in ("silu", "swish") else y).to(out.dtype)
+        conv_state[idx].copy_(window[:, -state_len:].to(conv_state.dtype))
+    return out.squeeze(-1) if squeeze else out
+
+
+def _f32(t):
+    import torch
+
+    return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def _fp32_compute(fn, names):
+    """``fn`` with the named activation arguments (and ``out``) computed in FP32, the first output
+    rounded back to the first named argument's dtype."""
+    import functools
+    import inspect
+
+    import torch
+
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        bound = sig.bind(*args, **kwargs)
+        first = bound.arguments[names[0]]
+        if first.dtype not in (torch.bfloat16, torch.float16):
+            return fn(*args, **kwargs)
+        out = bound.arguments.pop("out", None)
+        for n in names:
+            bound.arguments[n] = _f32(bound.arguments[n])
+        o, *rest = fn(*bound.args, **bound.kwargs)
+        o = o.to(first.dtype)
+        if out is not None:
+            out.copy_(o)
+            o = out
+        return (o, *rest)
+
+    wrapper._kimi_fp32 = True
+    return wrapper
+
+
+def _gather_initial_states(state, indices, has_initial_state):
+    import torch
+
+    idx = torch.where(has_initial_state, indices.long(), torch.zeros_like(indices, dtype=torch.long))
+    out = state[idx].clone()
+    out[~has_initial_state] = 0
+    return out
+
+
+def _no_bench(kernel_call, quantiles=None, **kw):
+    return [0.0, 0.0, 0.0] if quantiles else 0.0
+
+
+def _tensor_range(interpreter):
+    def tensor_range(*args):
+        for i in range(*(int(a) for a in args)):
+            yield interpreter._implicit_cvt(i)
+
+    return tensor_range
+
+
+def _patch_lang_aliases(interpreter):
+    import sys
+
+    import triton.language as tl
+
+    original = interpreter._patch_lang
+
+    def patch_lang(fn):
+        scope = original(fn)
+        module = sys.modules.get(fn.__module__)
+        if module is not None and getattr(module, "__dict__", None) is fn.__globals__:
+            for name, member in list(fn.__globals__.items()):
+                if tl.core.is_builtin(member):
+                    interpreter._patch_attr(module, name, member, interpreter.interpreter_builder, scope)
+            caller = sys._getframe(1).f_locals.get("self")
+            if type(caller).__name__ == "GridExecutor":  # a launch (restored after it), not a device call
+                scope.set_attr(module, "range", _tensor_range(interpreter))
+        return scope
+
+    patch_lang._kimi_cpu = True
+    return patch_lang
+
+
+def prepare() -> None:
+    global _LIB
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+    vllm_cpu.prepare()
+    import torch
+    from vllm.triton_utils import HAS_TRITON
+
+    if not HAS_TRITON:
+        raise TritonUnavailable(
+            "vLLM decided at import time that Triton is unusable (vllm.triton_utils.HAS_TRITON is False): "
+            "this process imported vllm.triton_utils before vllm_kimi_cpu.prepare() set CUDA_VISIBLE_DEVICES='' "
+            "(e.g. another vLLM engine test ran first). Run this test module in its own pytest process.")
+
+    if _LIB is None and not hasattr(torch.ops._C, "mla_decode_kvcache"):
+        _LIB = torch.library.Library("_C", "FRAGMENT")
+        _LIB.define("mla_decode_kvcache(Tensor(a!) out, Tensor query, Tensor kv_cache, float scale, "
+                    "Tensor block_tables, Tensor seq_lens) -> ()")
+        _LIB.impl("mla_decode_kvcache", _mla_decode, "CPU")
+        _LIB.define("fused_kimi_k3_mla_key_concat_kv_cache_insert(Tensor q, Tensor k_nope, Tensor k_pe, "
+                    "Tensor kv_c_normed, Tensor(a!) k_out, Tensor(b!) kv_cache, Tensor slot_mapping, int block_size, "
+                    "Tensor? positions, Tensor? cos_sin_cache) -> ()")
+        _LIB.impl("fused_kimi_k3_mla_key_concat_kv_cache_insert", _mla_key_concat_insert, "CPU")
+        _LIB.define("fused_kimi_k3_mla_decode_q_concat_kv_cache_insert(Tensor ql_nope, Tensor q_pe, "
+                    "Tensor kv_c_normed, Tensor k_pe, Tensor(a!) mqa_q, Tensor(b!) kv_cache, Tensor slot_mapping, "
+                    "int block_size, Tensor? positions, Tensor? cos_sin_cache) -> ()")
+        _LIB.impl("fused_kimi_k3_mla_decode_q_concat_kv_cache_insert", _mla_decode_q_concat_insert, "CPU")
+        _LIB.define("causal_conv1d_update_cpu_vec(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, "
+                    "str? activation, Tensor? conv_state_indices, Tensor? query_start_loc, int pad_slot_id) -> Tensor")
+        _LIB.impl("causal_conv1d_update_cpu_vec", _conv_update, "CPU")
+
+    from triton.runtime import autotuner, interpreter
+
+    autotuner.Autotuner.do_bench = property(lambda self: _no_bench)
+    if not getattr(interpreter._patch_lang, "_kimi_cpu", False):
+        interpreter._patch_lang = _patch_lang_aliases(interpreter)
+
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    if not getattr(CPUMLABackend, "_kimi_cpu_block", False):
+        CPUMLABackend.supports_block_size = classmethod(
+            lambda cls, block_size: block_size is None or block_size % 16 == 0)
+        CPUMLABackend._kimi_cpu_block = True
+
+    from vllm.model_executor.layers.mamba.gdn import kimi_gdn_linear_attn as kimi_layer
+
+    kimi_layer.gather_initial_states = _gather_initial_states
+
+    from vllm.models.kimi_k3.nvidia.ops.third_party import kda as kda_ops
+
+    if not getattr(kda_ops.chunk_kda_with_fused_gate, "_kimi_fp32", False):
+        kda_ops.chunk_kda_with_fused_gate = _fp32_compute(kda_ops.chunk_kda_with_fused_gate,
+                                                          ("q", "k", "v", "raw_g", "raw_beta"))
+        kda_ops.fused_recurrent_kda_packed_decode = _fp32_compute(kda_ops.fused_recurrent_kda_packed_decode,
+                                                                  ("mixed_qkv", "raw_g", "raw_beta"))
