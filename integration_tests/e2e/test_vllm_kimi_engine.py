@@ -16,7 +16,7 @@ prompt, at the first position where the runs' tokens differ, each run's token mu
 other's top-5 logprobs. The on-run must actually have used our op.
 
 Measured (2 CPU cores): 5/8 sequences identical, the other 3 part at near-ties (the two chosen
-tokens within 0.06 nats, each in the other's top-5), max |logprob difference| 0.093 before the first
+tokens within 0.07 nats, each in the other's top-5), max |logprob difference| 0.093 before the first
 difference. Control: the hook reading each row's state from the neighbouring row's slot fails the
 rule on 8/8 prompts at the first decode token.
 
