@@ -18,6 +18,10 @@ sampler ran their torch paths, the KV writes and attention are this project's, a
 tree core is a native extension shipped inside the sglang wheel itself
 (``srt/mem_cache/rust_tree_core``), which loads on CPU.
 
+Speculative decoding (``prepare(speculative=True)``) needs more: see ``install_spec_seams`` (SGLang's
+spec-path Triton kernels under Triton's interpreter, its XPU-branch tree kernels, a torch_native
+draft).
+
 The platform is found through an entry point, in every SGLang process (the engine's scheduler and
 detokenizer are spawned processes): ``prepare(tmpdir)`` writes a small ``.dist-info`` declaring it
 into ``tmpdir`` and puts ``tmpdir`` and the repository root on ``PYTHONPATH`` (the spawned processes
@@ -147,11 +151,12 @@ def install_spec_seams() -> None:
       sgl_kernel-CPU and XPU branches and reject an out-of-tree platform (``:428``, ``:549``: "no
       platform seam yet"). Both are pointed at the branch SGLang takes on XPU, its own Triton
       kernels (``sgl_build_tree_kernel_triton`` ``:318``, ``verify_tree_greedy_triton`` ``:447``).
-    * The draft model's attention: ``DraftBackendFactory.create_draft_extend_backend``
-      (``srt/speculative/draft_utils.py:119-168``) knows only GPU/NPU/AMX backends (``:64`` raises
-      for others). With ``torch_native`` named it returns SGLang's ``TorchNativeAttnBackend`` for the
-      draft runner (one draft step: ``speculative_num_steps=1`` needs no multi-step draft-decode
-      backend, ``:86-87``). The draft keeps SGLang's own KV pool.
+    * The draft model's attention: ``DraftBackendFactory.create_draft_extend_backend`` and
+      ``create_decode_backend`` (``srt/speculative/draft_utils.py:84-168``) know only GPU/NPU/AMX
+      backends (``:64`` raises for others). With ``torch_native`` named they return SGLang's
+      ``TorchNativeAttnBackend`` for the draft runner's extend passes and, for
+      ``speculative_num_steps`` > 1, one per draft step (``_torch_native_multi_step``). The draft
+      keeps SGLang's own KV pool.
     * The spec path's Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
       set by ``prepare(speculative=True)``): the two above plus ``assign_draft_cache_locs_contiguous``
       (``kernels/ops/speculative/cache_locs.py:43``), ``fill_bonus_tokens``
@@ -162,7 +167,7 @@ def install_spec_seams() -> None:
       ``srt/mem_cache/memory_pool.py:2420``). On CPU SGLang would otherwise call sgl_kernel's CPU
       ops, which need ``SGLANG_USE_CPU_ENGINE=1`` and the compiled package. This project's own
       attention stays on its torch reference (the ``auto`` order on CPU).
-    ``FLYDSL_SGLANG_TRITON_LOG=path``: log each interpreted kernel launch (``module:kernel``)."""
+    ``FLYDSL_SGLANG_TRITON_LOG=path``: log each interpreted kernel launch (``module:kernel seconds``)."""
 
     def patch(spec_tree):
         def build_tree_kernel_efficient_func(*args, **kwargs):
@@ -194,18 +199,60 @@ def install_spec_seams() -> None:
             backend.prefill_attention_backend_str = backend.decode_attention_backend_str = DRAFT_BACKEND
             return backend
 
+        real_decode = factory.create_decode_backend
+
+        def create_decode_backend(self):
+            if self.draft_attn_backend != DRAFT_BACKEND or self.speculative_num_steps <= 1:
+                return real_decode(self)
+            backend = _torch_native_multi_step(self.draft_model_runner, self.speculative_num_steps)
+            for b in backend.attn_backends:
+                b.prefill_attention_backend_str = b.decode_attention_backend_str = DRAFT_BACKEND
+            return backend
+
         factory.create_draft_extend_backend = create_draft_extend_backend
+        factory.create_decode_backend = create_decode_backend
 
     _after_import("sglang.srt.speculative.draft_utils", patch_draft)
     if os.environ.get(TRITON_LOG_ENV):
         _log_interpreted_kernels(os.environ[TRITON_LOG_ENV])
 
 
+def _torch_native_multi_step(runner, num_steps):
+    """The draft's multi-step decode on SGLang's ``TorchNativeAttnBackend`` (topk 1): what SGLang's
+    per-step draft backends do (``TritonMultiStepDraftBackend``: step ``i`` attends to the committed
+    prefix plus the chain's first ``i + 1`` draft slots, ``seq_lens + i + 1`` tokens,
+    ``srt/layers/attention/triton_backend.py`` ``common_template``), with the draft slots read
+    through ``req_to_token``, where topk 1 allocates them right after the prefix
+    (``assign_draft_cache_locs_contiguous``). The steps' writes go to the ``out_cache_loc`` the
+    worker sets per step."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    class DraftStep(TorchNativeAttnBackend):
+        def __init__(self, runner, step):
+            super().__init__(runner)
+            self.step = step
+
+        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            seq_lens = forward_batch.seq_lens
+            forward_batch.seq_lens = seq_lens + (self.step + 1)
+            try:
+                return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+            finally:
+                forward_batch.seq_lens = seq_lens
+
+    steps = [DraftStep(runner, i) for i in range(num_steps - 1)]
+    return SimpleNamespace(attn_backends=steps, token_to_kv_pool=steps[0].token_to_kv_pool,
+                           init_forward_metadata=lambda fb: [b.init_forward_metadata(fb) for b in steps])
+
+
 TRITON_LOG_ENV = "FLYDSL_SGLANG_TRITON_LOG"
 
 
 def _log_interpreted_kernels(path) -> None:
-    """Append ``module:kernel`` to ``path`` for each Triton kernel launch run by the interpreter."""
+    """Append ``module:kernel seconds`` to ``path`` for each Triton kernel launch run by the
+    interpreter."""
     from triton.runtime.interpreter import InterpretedFunction
 
     real = InterpretedFunction.run
@@ -213,9 +260,14 @@ def _log_interpreted_kernels(path) -> None:
         return
 
     def run(self, *args, **kwargs):
-        with open(path, "a") as f:
-            f.write(f"{self.fn.__module__}:{self.fn.__name__}\n")
-        return real(self, *args, **kwargs)
+        import time
+
+        t = time.perf_counter()
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            with open(path, "a") as f:
+                f.write(f"{self.fn.__module__}:{self.fn.__name__} {time.perf_counter() - t:.4f}\n")
 
     run._flydsl_log = True
     InterpretedFunction.run = run
