@@ -18,6 +18,10 @@ sampler ran their torch paths, the KV writes and attention are this project's, a
 tree core is a native extension shipped inside the sglang wheel itself
 (``srt/mem_cache/rust_tree_core``), which loads on CPU.
 
+Speculative decoding (``prepare(speculative=True)``) needs more: see ``install_spec_seams`` (SGLang's
+spec-path Triton kernels under Triton's interpreter, its XPU-branch tree kernels, a torch_native
+draft).
+
 The platform is found through an entry point, in every SGLang process (the engine's scheduler and
 detokenizer are spawned processes): ``prepare(tmpdir)`` writes a small ``.dist-info`` declaring it
 into ``tmpdir`` and puts ``tmpdir`` and the repository root on ``PYTHONPATH`` (the spawned processes
@@ -33,6 +37,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DIST = "flydsl_backends_test_cpu_platform"
 PLATFORM_NAME = "flydsl_test_cpu"
+SPEC_ALGORITHMS = ("STANDALONE",)
+DRAFT_BACKEND = "torch_native"
 
 
 def _platform_class():
@@ -56,6 +62,15 @@ def _platform_class():
 
         def is_pin_memory_available(self, device=None) -> bool:
             return False
+
+        def supports_speculative_algorithm(self, algorithm: str) -> bool:
+            return algorithm in SPEC_ALGORITHMS
+
+        def supports_speculative_draft_attention_backend(self, algorithm: str, backend: str) -> bool:
+            return algorithm in SPEC_ALGORITHMS and backend == DRAFT_BACKEND
+
+        def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
+            return DRAFT_BACKEND
 
     TestCpuPlatform.__qualname__ = "TestCpuPlatform"
     TestCpuPlatform.__module__ = __name__
@@ -81,7 +96,181 @@ def activate():
     trace is installed in the scheduler."""
     if os.environ.get(TRACE_ENV):
         install_trace(os.environ[TRACE_ENV])
+    if os.environ.get(SPEC_ENV):
+        install_spec_seams()
     return f"{__name__}:TestCpuPlatform"
+
+
+SPEC_ENV = "FLYDSL_SGLANG_SPEC"
+
+
+class _AfterImport:
+    """A ``sys.meta_path`` finder that runs ``fn(module)`` right after ``name`` executes (before
+    any importer binds names from it)."""
+
+    def __init__(self, name, fn):
+        self.name, self.fn = name, fn
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        import importlib.machinery
+        import sys
+
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        real, fn = spec.loader.exec_module, self.fn
+
+        def exec_module(module):
+            real(module)
+            fn(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+def _after_import(name, fn):
+    import sys
+
+    if name in sys.modules:
+        fn(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, fn))
+
+
+def install_spec_seams() -> None:
+    """What SGLang's speculative decoding (STANDALONE: a separate draft model, topk 1) needs on this
+    platform; test-only, installed in the scheduler process when ``SPEC_ENV`` is set. The platform
+    itself declares STANDALONE with a ``torch_native`` draft (``supports_speculative_algorithm``,
+    ``..._draft_attention_backend``), which SGLang checks for an out-of-tree platform
+    (``srt/arg_groups/speculative_hook.py:1061-1068``). Three stand-ins, all routing to SGLang's
+    own code:
+
+    * EAGLE tree build and greedy tree verification (``kernels/ops/speculative/spec_tree.py``:
+      ``build_tree_kernel_efficient_func``, ``verify_tree_greedy_func``) have CUDA/HIP, NPU,
+      sgl_kernel-CPU and XPU branches and reject an out-of-tree platform (``:428``, ``:549``: "no
+      platform seam yet"). Both are pointed at the branch SGLang takes on XPU, its own Triton
+      kernels (``sgl_build_tree_kernel_triton`` ``:318``, ``verify_tree_greedy_triton`` ``:447``).
+    * The draft model's attention: ``DraftBackendFactory.create_draft_extend_backend`` and
+      ``create_decode_backend`` (``srt/speculative/draft_utils.py:84-168``) know only GPU/NPU/AMX
+      backends (``:64`` raises for others). With ``torch_native`` named they return SGLang's
+      ``TorchNativeAttnBackend`` for the draft runner's extend passes and, for
+      ``speculative_num_steps`` > 1, one per draft step (``_torch_native_multi_step``). The draft
+      keeps SGLang's own KV pool.
+    * The spec path's Triton kernels run under Triton's interpreter (``TRITON_INTERPRET=1``,
+      set by ``prepare(speculative=True)``): the two above plus ``assign_draft_cache_locs_contiguous``
+      (``kernels/ops/speculative/cache_locs.py:43``), ``fill_bonus_tokens``
+      (``kernels/ops/speculative/eagle.py:14``), ``assign_req_to_token_pool``
+      (``srt/mem_cache/allocation.py:692``), ``get_last_loc_kernel``
+      (``kernels/ops/memory/common.py:121``) and the draft pool's KV-copy warm-up
+      ``copy_all_layer_kv_cache_tiled`` (``kernels/ops/kvcache/cache_move.py:146``, launched from
+      ``srt/mem_cache/memory_pool.py:2420``). On CPU SGLang would otherwise call sgl_kernel's CPU
+      ops, which need ``SGLANG_USE_CPU_ENGINE=1`` and the compiled package. This project's own
+      attention stays on its torch reference (the ``auto`` order on CPU).
+    ``FLYDSL_SGLANG_TRITON_LOG=path``: log each interpreted kernel launch (``module:kernel seconds``)."""
+
+    def patch(spec_tree):
+        def build_tree_kernel_efficient_func(*args, **kwargs):
+            return spec_tree.sgl_build_tree_kernel_triton(*args, **kwargs)
+
+        def verify_tree_greedy_func(predicts, accept_index, accept_token_num, candidates, retrieve_index,
+                                    retrieve_next_token, retrieve_next_sibling, target_predict, topk=-1):
+            spec_tree.verify_tree_greedy_triton(
+                predicts=predicts, accept_index=accept_index, accept_token_num=accept_token_num,
+                candidates=candidates, retrieve_index=retrieve_index, retrieve_next_token=retrieve_next_token,
+                retrieve_next_sibling=retrieve_next_sibling, target_predict=target_predict)
+            return predicts, accept_index, accept_token_num
+
+        spec_tree.build_tree_kernel_efficient_func = build_tree_kernel_efficient_func
+        spec_tree.verify_tree_greedy_func = verify_tree_greedy_func
+
+    _after_import("sglang.kernels.ops.speculative.spec_tree", patch)
+
+    def patch_draft(draft_utils):
+        factory = draft_utils.DraftBackendFactory
+        real = factory.create_draft_extend_backend
+
+        def create_draft_extend_backend(self):
+            if self.draft_attn_backend != DRAFT_BACKEND:
+                return real(self)
+            from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+            backend = TorchNativeAttnBackend(self.draft_model_runner)
+            backend.prefill_attention_backend_str = backend.decode_attention_backend_str = DRAFT_BACKEND
+            return backend
+
+        real_decode = factory.create_decode_backend
+
+        def create_decode_backend(self):
+            if self.draft_attn_backend != DRAFT_BACKEND or self.speculative_num_steps <= 1:
+                return real_decode(self)
+            backend = _torch_native_multi_step(self.draft_model_runner, self.speculative_num_steps)
+            for b in backend.attn_backends:
+                b.prefill_attention_backend_str = b.decode_attention_backend_str = DRAFT_BACKEND
+            return backend
+
+        factory.create_draft_extend_backend = create_draft_extend_backend
+        factory.create_decode_backend = create_decode_backend
+
+    _after_import("sglang.srt.speculative.draft_utils", patch_draft)
+    if os.environ.get(TRITON_LOG_ENV):
+        _log_interpreted_kernels(os.environ[TRITON_LOG_ENV])
+
+
+def _torch_native_multi_step(runner, num_steps):
+    """The draft's multi-step decode on SGLang's ``TorchNativeAttnBackend`` (topk 1): what SGLang's
+    per-step draft backends do (``TritonMultiStepDraftBackend``: step ``i`` attends to the committed
+    prefix plus the chain's first ``i + 1`` draft slots, ``seq_lens + i + 1`` tokens,
+    ``srt/layers/attention/triton_backend.py`` ``common_template``), with the draft slots read
+    through ``req_to_token``, where topk 1 allocates them right after the prefix
+    (``assign_draft_cache_locs_contiguous``). The steps' writes go to the ``out_cache_loc`` the
+    worker sets per step."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    class DraftStep(TorchNativeAttnBackend):
+        def __init__(self, runner, step):
+            super().__init__(runner)
+            self.step = step
+
+        def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+            seq_lens = forward_batch.seq_lens
+            forward_batch.seq_lens = seq_lens + (self.step + 1)
+            try:
+                return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+            finally:
+                forward_batch.seq_lens = seq_lens
+
+    steps = [DraftStep(runner, i) for i in range(num_steps - 1)]
+    return SimpleNamespace(attn_backends=steps, token_to_kv_pool=steps[0].token_to_kv_pool,
+                           init_forward_metadata=lambda fb: [b.init_forward_metadata(fb) for b in steps])
+
+
+TRITON_LOG_ENV = "FLYDSL_SGLANG_TRITON_LOG"
+
+
+def _log_interpreted_kernels(path) -> None:
+    """Append ``module:kernel seconds`` to ``path`` for each Triton kernel launch run by the
+    interpreter."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    real = InterpretedFunction.run
+    if getattr(real, "_flydsl_log", False):
+        return
+
+    def run(self, *args, **kwargs):
+        import time
+
+        t = time.perf_counter()
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            with open(path, "a") as f:
+                f.write(f"{self.fn.__module__}:{self.fn.__name__} {time.perf_counter() - t:.4f}\n")
+
+    run._flydsl_log = True
+    InterpretedFunction.run = run
 
 
 def install_trace(path) -> None:
@@ -123,11 +312,13 @@ def read_trace(path) -> list:
     return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
 
 
-def prepare(tmpdir, monkeypatch=None) -> dict:
+def prepare(tmpdir, monkeypatch=None, speculative=False) -> dict:
     """Declare the platform entry point in ``tmpdir`` and return the environment SGLang's processes
     need: give it to a server subprocess, or pass pytest's ``monkeypatch`` to apply it to this
     process (``os.environ``, inherited by the engine's spawned processes, and ``sys.path``, where
-    this process's own platform lookup reads entry points), undone with the monkeypatch."""
+    this process's own platform lookup reads entry points), undone with the monkeypatch.
+    ``speculative``: also what speculative decoding needs here (``install_spec_seams``; Triton's
+    interpreter for SGLang's spec-path kernels)."""
     tmpdir = Path(tmpdir)
     info = tmpdir / f"{DIST}-0.0.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
@@ -142,6 +333,9 @@ def prepare(tmpdir, monkeypatch=None) -> dict:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
+    if speculative:
+        env[SPEC_ENV] = "1"
+        env["TRITON_INTERPRET"] = "1"
     if monkeypatch is not None:
         for k, v in env.items():
             monkeypatch.setenv(k, v)

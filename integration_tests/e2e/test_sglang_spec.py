@@ -1,0 +1,105 @@
+"""Speculative decoding through a real SGLang 0.5.23 engine (``sglang.Engine``, scheduler in its own
+process) with ``attention_backend="flydsl"`` and an FP8 KV cache, on CPU: the target model's
+TARGET_VERIFY batches (draft chains of ``speculative_num_draft_tokens`` rows per request) run
+through this project's multi-token decode path (``pa_decode`` with ``query_length`` 2 and 4).
+
+STANDALONE speculative decoding (a separate draft model, ``speculative_eagle_topk=1``), with 2 and
+with 4 tokens per verify (``speculative_num_steps`` 1 and 3; 4 is the adapter's limit). The draft is a
+second copy of the tiny model (``tiny_model``: a planted copy-back head, so greedy tokens prove
+correct K/V reads), so its drafts are right and nearly all are accepted: every row of a verify
+decides an output token, and the K/V every row wrote is read back 7 tokens later (a verify row
+whose K/V is not written to its own slot, or a read of the wrong pages, breaks the copy rule). The
+causal mask among one verify's rows is not what these tokens check (the planted head looks 7 back);
+``integration_tests/sglang/test_attn_backend.py`` compares verify batches with SGLang's torch_native
+extend for that. The draft runs on SGLang's ``torch_native`` backend and its own KV pool; the
+stand-ins this CPU platform needs (tree build / greedy verify, the draft's attention backends,
+Triton's interpreter for SGLang's spec-path kernels) are described in
+``sglang_cpu.install_spec_seams``.
+
+Run: PYTHONPATH=integration_tests/stubs /path/to/venv-sgl/bin/python -m pytest -q \\
+         integration_tests/e2e/test_sglang_spec.py
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+for _mod in ("uvloop", "setproctitle", "xgrammar"):
+    pytest.importorskip(_mod, reason=f"{_mod} missing: build the venv with "
+                                     "integration_tests/setup-cpu-env.sh sglang DIR")
+
+from integration_tests.e2e import sglang_cpu  # noqa: E402
+from integration_tests.e2e import tiny_model as tm  # noqa: E402
+
+PAGE = 16
+NEW_TOKENS = 24
+
+
+@pytest.mark.parametrize("draft_tokens", [2, 4])  # the verify query length: bonus token + draft steps
+def test_standalone_speculative_decoding_verifies_on_flydsl(tmp_path_factory, draft_tokens):
+    if torch.cuda.is_available():
+        pytest.skip("the CPU engine case")
+    root = tmp_path_factory.mktemp("sgl_spec")
+    target, draft = tm.build(root / "target"), tm.build(root / "draft")
+    trace, kernels = root / "attention.jsonl", root / "triton_kernels.log"
+    mp = pytest.MonkeyPatch()
+    sglang_cpu.prepare(root / "platform", mp, speculative=True)
+    mp.setenv(sglang_cpu.TRACE_ENV, str(trace))
+    mp.setenv(sglang_cpu.TRITON_LOG_ENV, str(kernels))
+    import sglang
+
+    prompts = tm.prompts(8, seed=11, length=(10, 40))
+    eng = None
+    try:
+        eng = sglang.Engine(model_path=str(target), attention_backend="flydsl", kv_cache_dtype="fp8_e4m3",
+                            page_size=PAGE, device="cpu", skip_tokenizer_init=True, dtype="bfloat16",
+                            random_seed=0, disable_cuda_graph=True, max_total_tokens=8192, max_running_requests=8,
+                            context_length=1024, log_level="warning", sleep_on_idle=True,
+                            speculative_algorithm="STANDALONE", speculative_draft_model_path=str(draft),
+                            speculative_eagle_topk=1, speculative_num_steps=draft_tokens - 1,
+                            speculative_num_draft_tokens=draft_tokens,
+                            speculative_draft_attention_backend=sglang_cpu.DRAFT_BACKEND)
+        outs = eng.generate(input_ids=[list(p) for p in prompts],
+                            sampling_params={"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True})
+    finally:
+        if eng is not None:
+            eng.shutdown()
+        mp.undo()
+    gen = [list(o["output_ids"]) for o in outs]
+    for p, g, o in zip(prompts, gen, outs):
+        assert o["meta_info"]["finish_reason"]["type"] == "length", o["meta_info"]
+        assert len(g) == NEW_TOKENS
+        assert tm.copy_rule_agreement(p, g) == 1.0, (p, g)
+    assert gen == tm.hf_greedy(target, prompts, NEW_TOKENS)
+
+    # the engine speculated: verify steps ran and (identical draft) nearly every draft was accepted
+    verify_ct = [o["meta_info"].get("spec_verify_ct", 0) for o in outs]
+    accept = [o["meta_info"].get("spec_accept_length", 0) for o in outs]
+    assert all(c > 0 for c in verify_ct), verify_ct
+    assert min(accept) >= 0.9 * draft_tokens, accept
+
+    calls = sglang_cpu.read_trace(trace)
+    assert calls and all(c["pid"] != os.getpid() for c in calls)
+    assert {c["kv_dtype"] for c in calls} == {"torch.float8_e4m3fn"}
+    assert {(tuple(c["k_shape"][1:]), tuple(c["v_shape"][1:])) for c in calls} == {
+        ((tm.KV_HEADS, tm.HEAD_DIM // 16, PAGE, 16), (tm.KV_HEADS, PAGE // 16, tm.HEAD_DIM, 16))}, calls[0]
+    # only the target runs on flydsl (the draft is on torch_native): prefill plans and verify plans
+    decode = [c for c in calls if c["decode"]]
+    assert decode, "no decode-path batch reached the flydsl backend"
+    assert all(set(c["rows"]) == {draft_tokens} for c in decode), \
+        {tuple(c["rows"]) for c in decode}  # every decode-path batch was a target verify of n rows/request
+    assert max(len(c["rows"]) for c in decode) == len(prompts)
+    plans = {c["plan"] for c in decode}
+    assert len(plans) >= max(verify_ct), (len(plans), verify_ct)
+    assert sum(len(c["rows"]) for c in decode) // tm.LAYERS == sum(verify_ct), (len(decode), verify_ct)
+    # some verify's query rows straddle a page end (its context ends 1..n-1 tokens into a new page)
+    assert any(0 < ctx % PAGE < draft_tokens for c in decode for ctx in c["ctx"])
+
+    launched = {line.split()[0] for line in kernels.read_text().splitlines()} if kernels.exists() else set()
+    assert {"sglang.kernels.ops.speculative.spec_tree:sgl_build_tree_kernel_efficient_triton",
+            "sglang.kernels.ops.speculative.spec_tree:verify_tree_greedy_kernel_triton"} <= launched, launched
+    assert not any(k.startswith("pa_backend") for k in launched), launched
