@@ -88,6 +88,18 @@ def __getattr__(name):
 
 
 TRACE_ENV = "FLYDSL_SGLANG_TRACE"
+ENGINE_MODULES = ("uvloop", "setproctitle", "xgrammar")  # sglang.Engine imports them (not in older CPU venvs)
+
+
+def skip_without_engine() -> None:
+    """Skip the calling test module unless SGLang and what its engine imports are installed (this module
+    itself imports no sglang: it is also the platform entry point)."""
+    import pytest
+
+    pytest.importorskip("sglang")
+    for mod in ENGINE_MODULES:
+        pytest.importorskip(mod, reason=f"{mod} missing: build the venv with integration_tests/setup-cpu-env.sh "
+                                        "sglang DIR")
 
 
 def activate():

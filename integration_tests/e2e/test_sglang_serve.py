@@ -17,55 +17,30 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("sglang")
-for _mod in ("uvloop", "setproctitle", "xgrammar", "jsonschema", "soundfile", "multipart", "uvicorn", "fastapi"):
-    pytest.importorskip(_mod, reason=f"{_mod} missing: build the venv with "
-                                     "integration_tests/setup-cpu-env.sh sglang DIR")
-
 from integration_tests.e2e import sglang_cpu  # noqa: E402
+
+sglang_cpu.skip_without_engine()
+for _mod in ("jsonschema", "soundfile", "multipart", "uvicorn", "fastapi"):  # what launch_server adds
+    pytest.importorskip(_mod, reason=f"{_mod} missing: build the venv with integration_tests/setup-cpu-env.sh sglang DIR")
 from integration_tests.e2e import tiny_model as tm  # noqa: E402
+from integration_tests.e2e.server_process import STOP_TIMEOUT_S, ServerProcess, get, post  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 12
-START_TIMEOUT_S = 240
-STOP_TIMEOUT_S = 60
-
 pytestmark = pytest.mark.skipif(os.environ.get("FLYDSL_E2E_SKIP_SERVE") == "1",
                                 reason="FLYDSL_E2E_SKIP_SERVE=1")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url, timeout=5.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.status, r.read()
-
-
-def _post(url, body, timeout=120.0):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-class Server:
+class Server(ServerProcess):
     def __init__(self, model_dir: Path, workdir: Path):
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.log_path = workdir / "server.log"
+        super().__init__(workdir / "server.log")
         self.trace = workdir / "attention.jsonl"
         env = dict(os.environ, **sglang_cpu.prepare(workdir / "platform"), **{sglang_cpu.TRACE_ENV: str(self.trace)})
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
@@ -74,36 +49,7 @@ class Server:
                "--device", "cpu", "--dtype", "bfloat16", "--disable-cuda-graph", "--max-total-tokens", "4096",
                "--max-running-requests", "8", "--random-seed", "0",
                "--sleep-on-idle"]  # an idle scheduler otherwise polls at 100% of a core
-        self.log = open(self.log_path, "wb")
-        # its own session: teardown can reach the whole group (server, scheduler, detokenizer)
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def log_text(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self):
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode} before it was ready:\n"
-                            f"{self.log_text()[-6000:]}")
-            try:
-                if _get(self.base + "/health")[0] == 200:
-                    return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1.0)
-        pytest.fail(f"server not ready after {START_TIMEOUT_S} s:\n{self.log_text()[-6000:]}")
-
-    def group_alive(self) -> bool:
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
+        self.start(cmd, env)
 
     def stop(self):
         """SIGTERM to the server process only (it shuts its children down itself), then SIGKILL to
@@ -149,13 +95,13 @@ def server(model_dir, tmp_path_factory):
 
 
 def test_generate_follows_the_kv_and_matches_hf(server, model_dir):
-    info = json.loads(_get(server.base + "/server_info")[1])
+    info = json.loads(get(server.base + "/server_info")[1])
     assert info.get("attention_backend") == "flydsl", {k: info.get(k) for k in ("attention_backend", "device")}
     assert info.get("kv_cache_dtype") == "fp8_e4m3"
 
     server.trace.write_text("")  # the server's own warm-up request is not counted
     prompts = tm.prompts(2, seed=11, length=(12, 30))
-    out = _post(server.base + "/generate", {
+    out = post(server.base + "/generate", {
         "text": [tm.as_text(p) for p in prompts],
         "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0, "ignore_eos": True}})
     assert len(out) == 2
@@ -186,4 +132,4 @@ def test_sigterm_stops_the_server(server):
     assert status == 0, f"exit status {status}:\n{log[-4000:]}"
     assert "Application shutdown complete" in log
     with pytest.raises((urllib.error.URLError, OSError)):
-        _get(server.base + "/health", timeout=2.0)
+        get(server.base + "/health", timeout=2.0)

@@ -27,12 +27,10 @@ import os
 import pytest
 import torch
 
-pytest.importorskip("sglang")
-for _mod in ("uvloop", "setproctitle", "xgrammar"):
-    pytest.importorskip(_mod, reason=f"{_mod} missing: build the venv with "
-                                     "integration_tests/setup-cpu-env.sh sglang DIR")
-
 from integration_tests.e2e import sglang_cpu  # noqa: E402
+
+sglang_cpu.skip_without_engine()
+
 from integration_tests.e2e import tiny_model as tm  # noqa: E402
 
 PAGE = 16

@@ -18,12 +18,9 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -33,39 +30,18 @@ for _mod in ("uvicorn", "fastapi", "model_hosting_container_standards", "prometh
     pytest.importorskip(_mod, reason=f"{_mod} missing: build the venv with integration_tests/setup-cpu-env.sh vllm DIR")
 
 from integration_tests.e2e import tiny_model as tm  # noqa: E402
+from integration_tests.e2e.server_process import (ROOT, STOP_TIMEOUT_S, ServerProcess, get,  # noqa: E402
+                                                  post)
 
-ROOT = Path(__file__).resolve().parents[2]
 NEW_TOKENS = 12
-START_TIMEOUT_S = 240
-STOP_TIMEOUT_S = 60
-
 pytestmark = pytest.mark.skipif(os.environ.get("FLYDSL_E2E_SKIP_SERVE") == "1",
                                 reason="FLYDSL_E2E_SKIP_SERVE=1")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url, timeout=5.0):
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        return r.status, r.read()
-
-
-def _post(url, body, timeout=120.0):
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
-class Server:
+class Server(ServerProcess):
     def __init__(self, model_dir: Path, log_path: Path):
-        self.port = _free_port()
-        self.base = f"http://127.0.0.1:{self.port}"
+        super().__init__(log_path)
         self.model = str(model_dir)
-        self.log_path = log_path
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
         cmd = [sys.executable, "-m", "integration_tests.e2e.serve_cpu", self.model,
@@ -73,29 +49,7 @@ class Server:
                "--attention-backend", "FLYDSL", "--kv-cache-dtype", "fp8", "--block-size", "16",
                "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "8",
                "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", "-cc", '{"custom_ops": ["none"]}']
-        self.log = open(log_path, "wb")
-        # its own session: teardown signals the whole group (API server + engine core)
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-
-    def log_text(self) -> str:
-        if not self.log.closed:
-            self.log.flush()
-        return self.log_path.read_text(errors="replace")
-
-    def wait_ready(self):
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"server exited with {self.proc.returncode} before it was ready:\n"
-                            f"{self.log_text()[-6000:]}")
-            try:
-                if _get(self.base + "/health")[0] == 200:
-                    return
-            except (urllib.error.URLError, OSError):
-                pass
-            time.sleep(1.0)
-        pytest.fail(f"server not ready after {START_TIMEOUT_S} s:\n{self.log_text()[-6000:]}")
+        self.start(cmd, env)
 
     def stop(self) -> int:
         """SIGTERM to the group, then SIGKILL after STOP_TIMEOUT_S; returns the server's exit status
@@ -139,11 +93,11 @@ def server(model_dir, tmp_path_factory):
 
 
 def test_completions_follow_the_kv_and_match_hf(server, model_dir):
-    models = json.loads(_get(server.base + "/v1/models")[1])
+    models = json.loads(get(server.base + "/v1/models")[1])
     assert [m["id"] for m in models["data"]] == [server.model]
 
     prompts = tm.prompts(2, seed=11, length=(12, 30))
-    out = _post(server.base + "/v1/completions", {
+    out = post(server.base + "/v1/completions", {
         "model": server.model, "prompt": [tm.as_text(p) for p in prompts], "max_tokens": NEW_TOKENS,
         "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
     choices = sorted(out["choices"], key=lambda c: c["index"])
@@ -172,4 +126,4 @@ def test_sigterm_shuts_down_cleanly(server):
     assert status == 0, f"exit status {status}:\n{log[-4000:]}"
     assert "Application shutdown complete" in log
     with pytest.raises((urllib.error.URLError, OSError)):
-        _get(server.base + "/health", timeout=2.0)
+        get(server.base + "/health", timeout=2.0)

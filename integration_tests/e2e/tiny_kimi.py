@@ -16,7 +16,6 @@ runs of the same weights and dtype. Prompts are token ids (``skip_tokenizer_init
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -92,14 +91,9 @@ def weights(seed: int = 0) -> dict:
 
 
 def build(path, seed: int = 0) -> Path:
-    from safetensors.torch import save_file
+    from integration_tests.e2e.tiny_model import write_model
 
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config(), indent=1))
-    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    save_file(weights(seed), str(path / "model.safetensors"))
-    return path
+    return write_model(path, config(), weights(seed))
 
 
 def prompts(n: int, seed: int, length=(10, 40)) -> list:

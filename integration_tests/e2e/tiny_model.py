@@ -105,13 +105,19 @@ def weights(seed: int = 0) -> dict:
 
 
 def build(path, seed: int = 0) -> Path:
+    return write_model(path, config(), weights(seed))
+
+
+def write_model(path, cfg: dict, tensors: dict) -> Path:
+    """A model directory an engine loads without a download: config.json, generation_config.json
+    (BOS 1, EOS 2) and model.safetensors."""
     from safetensors.torch import save_file
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(config(), indent=1))
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    save_file(weights(seed), str(path / "model.safetensors"))
+    save_file(tensors, str(path / "model.safetensors"))
     return path
 
 
