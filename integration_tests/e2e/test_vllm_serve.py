@@ -73,9 +73,7 @@ class Server(ServerProcess):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    path = tm.build(tmp_path_factory.mktemp("tiny_llama_serve"))
-    tm.save_tokenizer(path)
-    return path
+    return tm.build_with_tokenizer(tmp_path_factory.mktemp("tiny_llama_serve"))
 
 
 @pytest.fixture(scope="module")

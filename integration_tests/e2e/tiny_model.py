@@ -108,6 +108,13 @@ def build(path, seed: int = 0) -> Path:
     return write_model(path, config(), weights(seed))
 
 
+def build_with_tokenizer(path, seed: int = 0) -> Path:
+    """``build`` plus ``save_tokenizer``: a model a server can take text requests for."""
+    path = build(path, seed)
+    save_tokenizer(path)
+    return path
+
+
 def write_model(path, cfg: dict, tensors: dict) -> Path:
     """A model directory an engine loads without a download: config.json, generation_config.json
     (BOS 1, EOS 2) and model.safetensors."""
