@@ -232,55 +232,15 @@ def check_batch(*, block_tables, context_lengths, query_length=1, query_start_lo
     return PABatch(block_tables, context_lengths, query_start_loc, query_start_loc_host, query_length, N)
 
 
-# cache-layout facts by (address, shape, strides, dtype, device) of the four tensors — all that
-# _check_cache reads, so a hit is the same verdict. Only derived numbers are kept, never the tensors:
-# a server that frees its caches must get the memory back.
-_CACHE_MEMO: "OrderedDict[tuple, tuple]" = OrderedDict()
-_CACHE_MEMO_SIZE = 512  # a few hundred layers' caches
-
-
-def _tensor_key(t):
-    if not isinstance(t, torch.Tensor):
-        return (type(t).__name__, id(t))
-    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
-
-
-def checked_cache(key_cache, value_cache, key_scale, value_scale, device, anchor: str) -> KVCache:
-    """``_check_cache`` memoized on what it reads, so the layers of a model are checked once per
-    process, not per call."""
-    key = tuple(_tensor_key(t) for t in (key_cache, value_cache, key_scale, value_scale))
-    hit = _CACHE_MEMO.get(key)
-    if hit is not None and key_cache.device == device:  # the four were checked to share one device
-        _CACHE_MEMO.move_to_end(key)
-        return _cache_from_facts(key_cache, value_cache, key_scale, value_scale, hit)
-    cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor)
-    if device.type != "meta":
-        _CACHE_MEMO[key] = _cache_facts(cache)
-        if len(_CACHE_MEMO) > _CACHE_MEMO_SIZE:
-            _CACHE_MEMO.popitem(last=False)
-    return cache
-
-
-def _cache_facts(cache: KVCache) -> tuple:
-    return (cache.num_blocks, cache.Hkv, cache.D, cache.block_size, cache.addresses())
-
-
-def _cache_from_facts(key_cache, value_cache, key_scale, value_scale, facts: tuple) -> KVCache:
-    """A checked cache around the caller's own tensors; a per-tensor scale ([1] or 0-dim) read as 0-dim."""
-    NB, Hkv, D, bs, addrs = facts
-    ks = key_scale if key_scale.dim() != 1 else key_scale.reshape(())
-    vs = value_scale if value_scale.dim() != 1 else value_scale.reshape(())
-    return KVCache(key_cache, value_cache, ks, vs, NB, Hkv, D, bs, addrs)
-
-
-# Whole-call checks memoized the same way: a server's layers pass their tensors at the same addresses,
-# shapes and strides step after step, so each distinct argument set is checked in full once and later
-# calls only rebuild the problem around the caller's tensors (the per-layer cost of plan.run and
-# write_kv). The key is everything the checks read: each tensor's address, shape, strides, dtype and
-# device, every other argument with its type (True is not 1), and for a layer the batch's own key. A
-# call that fails its checks is never stored. Numbers only, no tensors, as above.
+# Checks memoized on what they read: a server's layers pass their tensors at the same addresses, shapes
+# and strides step after step, so each distinct argument set is checked in full once and later calls
+# only rebuild the problem around the caller's tensors (the per-layer cost of plan.run and write_kv; a
+# model's caches, checked once per process). The key is everything the checks read: each tensor's
+# address, shape, strides, dtype and device, every other argument with its type (True is not 1), the
+# anchor device, and for a layer the batch's own key. A call that fails its checks is never stored.
+# Only derived numbers are kept, never the tensors: a server that frees its caches gets the memory back.
 _CALL_MEMO: "OrderedDict[tuple, tuple]" = OrderedDict()
-_CALL_MEMO_SIZE = 4096  # (layers x distinct activation buffers) of a few models
+_CALL_MEMO_SIZE = 4096  # (layers x distinct activation buffers, and each layer's caches) of a few models
 
 
 def _arg_key(x):
@@ -321,6 +281,31 @@ def _memo_put(key, device: torch.device, facts: tuple) -> None:
             _CALL_MEMO.popitem(last=False)
         except KeyError:
             break
+
+
+def checked_cache(key_cache, value_cache, key_scale, value_scale, device, anchor: str) -> KVCache:
+    """``_check_cache`` memoized on what it reads, so the layers of a model are checked once per
+    process, not per call."""
+    key = _memo_key("cache", device, _arg_key(key_cache), _arg_key(value_cache), _arg_key(key_scale),
+                    _arg_key(value_scale))
+    hit = _memo_get(key)
+    if hit is not None:
+        return _cache_from_facts(key_cache, value_cache, key_scale, value_scale, hit)
+    cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor)
+    _memo_put(key, device, _cache_facts(cache))
+    return cache
+
+
+def _cache_facts(cache: KVCache) -> tuple:
+    return (cache.num_blocks, cache.Hkv, cache.D, cache.block_size, cache.addresses())
+
+
+def _cache_from_facts(key_cache, value_cache, key_scale, value_scale, facts: tuple) -> KVCache:
+    """A checked cache around the caller's own tensors; a per-tensor scale ([1] or 0-dim) read as 0-dim."""
+    NB, Hkv, D, bs, addrs = facts
+    ks = key_scale if key_scale.dim() != 1 else key_scale.reshape(())
+    vs = value_scale if value_scale.dim() != 1 else value_scale.reshape(())
+    return KVCache(key_cache, value_cache, ks, vs, NB, Hkv, D, bs, addrs)
 
 
 def check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, value_scale, softmax_scale=None,

@@ -220,7 +220,6 @@ def test_device_mismatch_names_the_anchor_argument(monkeypatch):
     real = contract.checked_tensor
     # checks are memoized on addresses and shapes: an earlier test's buffers may be at the same addresses
     monkeypatch.setattr(contract, "_CALL_MEMO", type(contract._CALL_MEMO)())
-    monkeypatch.setattr(contract, "_CACHE_MEMO", type(contract._CACHE_MEMO)())
     monkeypatch.setattr(contract, "checked_tensor",
                         lambda t, name, device, dtypes, anchor=None: seen.append(anchor) or real(t, name, device, dtypes,
                                                                                                   anchor=anchor))
