@@ -24,6 +24,17 @@ Each engine and each measurement runs in its own try/except: an error is recorde
 and the rest still run; ``--budget`` seconds (default 480, $ENGINE_BENCH_BUDGET) stops starting new
 engines. Exit status 0 only when nothing failed and every accuracy pair passed.
 
+``--model kimi`` (GPU): the tiny Kimi-Linear (``tiny_kimi``: 3 KDA layers + 1 MLA layer, bf16, MLA on
+TRITON_MLA, ``vllm_kimi.prepare_gpu()``) with this project's KDA decode hook off (``KDA:vllm``, vLLM's
+own Triton recurrent decode) and on (``KDA:flydsl``, ``additional_config={"flydsl_kda": true}``), eager and
+CUDA graphs (FULL_DECODE_ONLY), max_model_len 2048. Accuracy: 16 prompts x 64-94 greedy tokens (prompt i
+gets 64 + 2i), submitted 8 at a time then 8 more after 6 engine steps, at most 16 running, so the engine
+runs batched prefill, pure decode batches (the hook's path; in graph mode padded to a captured size as
+sequences finish) and mixed prefill+decode batches (handed back to vLLM); pair rule per mode: hook on
+against hook off (check_logprobs_close, identical sequences, max |logprob difference| of the chosen
+token before the first divergence), and the on-run must have called ``kda_decode`` (calls and rows are
+recorded). Throughput: batch 16 and 64 as above, tokens compared between the two.
+
 ``--cpu``: the same code path on vLLM's CPU worker (FLYDSL on the torch reference; TRITON_ATTN does not
 run there): eager only, batch 2, 8 tokens, max_model_len 1024 and 131072; the accuracy pair is FLYDSL at
 1024 against FLYDSL at 131072 (server-width block tables).
@@ -124,6 +135,8 @@ class Bench:
     accuracy: dict = field(default_factory=dict)  # label -> {tokens, logprobs, ...}
     generated: dict = field(default_factory=dict)  # (mode, max_model_len, batch) -> {backend: tokens}
     errors: list = field(default_factory=list)
+    title = "tiny Llama, FLYDSL vs TRITON_ATTN"
+    setting = "FP8 KV cache, block 16, eager"
 
     def row(self, backend, mode, max_len, batch, tokens, seconds, notes=""):
         self.rows.append({"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
@@ -147,8 +160,11 @@ class Bench:
                    max_num_seqs=max(self.s.batches + (self.s.acc_prompts,)), enable_prefix_caching=False,
                    kv_cache_memory_bytes=self.s.kv_bytes, **self.s.extra, **kw)
 
+    def prompts(self, n, seed):
+        return tm.prompts(n, seed=seed)
+
     def run_accuracy(self, llm, label):
-        prompts = tm.prompts(self.s.acc_prompts, seed=11)
+        prompts = self.prompts(self.s.acc_prompts, seed=11)
         t0 = time.perf_counter()
         toks, lps = _tokens_and_logprobs(_generate(llm, prompts, self.s.acc_tokens, logprobs=TOP_N))
         dt = time.perf_counter() - t0
@@ -164,7 +180,7 @@ class Bench:
 
     def run_throughput(self, llm, backend, mode, max_len):
         for batch in self.s.batches:
-            prompts = tm.prompts(batch, seed=100 + batch)
+            prompts = self.prompts(batch, seed=100 + batch)
             tokens = batch * self.s.out_tokens
             try:
                 _generate(llm, prompts, self.s.out_tokens)  # warm-up: same shapes, JIT and autotuning done
@@ -175,15 +191,19 @@ class Bench:
                 dt = time.perf_counter() - t0
                 toks = [list(o.outputs[0].token_ids) for o in outs]
                 n = sum(len(t) for t in toks)
-                copy = sum(tm.copy_rule_agreement(p, g) for p, g in zip(prompts, toks)) / batch
+                note = self.throughput_note(prompts, toks)
                 self.generated.setdefault((mode, max_len, batch), {})[backend] = toks
-                self.row(backend, mode, max_len, batch, n, dt, f"copy_rule={copy:.4f}")
+                self.row(backend, mode, max_len, batch, n, dt, note)
                 log(f"{backend} {mode} max_model_len={max_len} batch={batch}: {n} tokens in {dt:.3f} s = "
-                    f"{n / dt:.1f} tok/s, copy rule {copy:.4f}")
+                    f"{n / dt:.1f} tok/s, {note}")
             except Exception as e:
                 self.row(backend, mode, max_len, batch, tokens, 0, f"error: {_short(e)}")
                 self.errors.append(f"{backend} {mode} {max_len} batch {batch}: {traceback.format_exc()}")
                 log(f"{backend} {mode} max_model_len={max_len} batch={batch}: FAILED {_short(e)}")
+
+    def throughput_note(self, prompts, toks):
+        copy = sum(tm.copy_rule_agreement(p, g) for p, g in zip(prompts, toks)) / len(prompts)
+        return f"copy_rule={copy:.4f}"
 
     def run(self, budget: float):
         start = time.monotonic()
@@ -222,21 +242,22 @@ class Bench:
 
     def compare(self):
         """Accuracy pairs (the first eager engine against each other one) and graph-mode token equality."""
-        labels = [k for k in self.accuracy if "tokens" in self.accuracy[k]]
         pairs = []
-        for other in labels[1:]:
-            a, b = self.accuracy[labels[0]], self.accuracy[other]
-            fails, identical, first = [], 0, []
+        for name_a, name_b in self.accuracy_pairs():
+            a, b = self.accuracy[name_a], self.accuracy[name_b]
+            fails, identical, first, max_diff = [], 0, [], 0.0
             for i, (ta, la, tb, lb) in enumerate(zip(a["tokens"], a["logprobs"], b["tokens"], b["logprobs"])):
                 ok, pos = first_divergence_ok(ta, la, tb, lb)
+                for j in range(len(ta) if pos is None else pos):
+                    max_diff = max(max_diff, abs(la[j][ta[j]].logprob - lb[j][tb[j]].logprob))
                 identical += pos is None
                 if pos is not None:
                     first.append(pos)
                 if not ok:
                     fails.append(i)
-            pairs.append({"a": labels[0], "b": other, "check_logprobs_close": not fails, "failing_prompts": fails,
+            pairs.append({"a": name_a, "b": name_b, "check_logprobs_close": not fails, "failing_prompts": fails,
                           "identical_sequences": identical, "sequences": len(a["tokens"]),
-                          "first_divergence_positions": first})
+                          "first_divergence_positions": first, "max_abs_logprob_diff": round(max_diff, 5)})
         graphs = []
         for (mode, max_len, batch), by in sorted(self.generated.items(), key=lambda kv: str(kv[0])):
             names = sorted(by)
@@ -247,26 +268,33 @@ class Bench:
                            "identical_sequences": sum(p == q for p, q in zip(x, y)), "sequences": len(x)})
         return pairs, graphs
 
+    def accuracy_pairs(self):
+        """(a, b) labels of the accuracy pairs: the first engine with tokens against each other one."""
+        labels = [k for k in self.accuracy if "tokens" in self.accuracy[k]]
+        return [(labels[0], other) for other in labels[1:]]
+
     def report(self, final=True):
         pairs, graphs = self.compare()
-        per_engine = {k: {m: v[m] for m in ("copy_rule", "hf_argmax_agreement", "hf_error", "error", "seconds")
+        per_engine = {k: {m: v[m] for m in ("copy_rule", "hf_argmax_agreement", "hf_error", "error", "seconds",
+                                            "kda_decode_calls", "kda_decode_rows")
                           if m in v} for k, v in self.accuracy.items()}
         summary = {"commit": self.commit, "device": self.device, "cpu_smoke": self.s.cpu,
                    "prompts": self.s.acc_prompts, "tokens": self.s.acc_tokens, "top_n": TOP_N,
                    "engines": per_engine, "pairs": pairs, "same_tokens_across_backends": graphs,
                    "errors": self.errors}
         (self.out / "accuracy.json").write_text(json.dumps(summary, indent=1))
-        md = [f"# vLLM engine end to end ({self.device}, commit {self.commit or '?'})", "",
+        md = [f"# vLLM engine end to end, {self.title} ({self.device}, commit {self.commit or '?'})", "",
               f"Accuracy: {self.s.acc_prompts} prompts x {self.s.acc_tokens} greedy tokens, logprobs={TOP_N}, "
-              "FP8 KV cache, block 16, eager.", "",
-              "| engine | copy rule | HF argmax agreement |", "|---|---|---|"]
+              f"{self.setting}.", "",
+              "| engine | copy rule | HF argmax agreement | kda_decode calls (rows) |", "|---|---|---|---|"]
         for k, v in per_engine.items():
             md.append(f"| {k} | {v.get('copy_rule', v.get('error', '-'))} | "
-                      f"{v.get('hf_argmax_agreement', v.get('hf_error', '-'))} |")
-        md += ["", "| a | b | check_logprobs_close | identical sequences |", "|---|---|---|---|"]
+                      f"{v.get('hf_argmax_agreement', v.get('hf_error', '-'))} | "
+                      f"{v.get('kda_decode_calls', '-')} ({v.get('kda_decode_rows', '-')}) |")
+        md += ["", "| a | b | check_logprobs_close | identical sequences | max abs logprob diff |", "|---|---|---|---|---|"]
         for p in pairs:
             md.append(f"| {p['a']} | {p['b']} | {'pass' if p['check_logprobs_close'] else 'FAIL'} | "
-                      f"{p['identical_sequences']}/{p['sequences']} |")
+                      f"{p['identical_sequences']}/{p['sequences']} | {p['max_abs_logprob_diff']} |")
         if graphs:
             md += ["", "Same greedy tokens across backends in the throughput runs:", "",
                    "| mode | max_model_len | batch | identical sequences |", "|---|---|---|---|"]
@@ -288,6 +316,95 @@ class Bench:
             log(f"same tokens {g['a']} vs {g['b']} {g['mode']} {g['max_model_len']} batch {g['batch']}: "
                 f"{g['identical_sequences']}/{g['sequences']}")
         log(f"wrote {self.out}/engine_bench.csv, accuracy.json, summary.md ({len(self.errors)} error(s))")
+
+
+class KimiBench(Bench):
+    """The tiny Kimi-Linear with the KDA decode hook off ("KDA:vllm") and on ("KDA:flydsl"): see the module
+    docstring (``--model kimi``)."""
+
+    title = "tiny Kimi-Linear, KDA decode hook on vs off"
+    setting = "bf16, MLA on TRITON_MLA, staggered arrivals (mixed prefill+decode batches)"
+    calls: list = None  # rows of each kda_decode call of the engine running now
+
+    def prompts(self, n, seed):
+        from integration_tests.e2e import tiny_kimi
+
+        return tiny_kimi.prompts(n, seed=seed)
+
+    def throughput_note(self, prompts, toks):
+        return f"kda_decode calls={len(self.calls)}"
+
+    def build(self, backend, mode, max_len):
+        from vllm import LLM
+
+        from integration_tests.e2e import vllm_kimi
+
+        self.calls = []
+        kw = vllm_kimi.engine_kwargs_gpu(mode, capture_sizes=self.s.capture_sizes)
+        return LLM(model=str(self.model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
+                   max_model_len=max_len, max_num_seqs=max(self.s.batches + (self.s.acc_prompts,)),
+                   max_num_batched_tokens=max_len, kv_cache_memory_bytes=self.s.kv_bytes,
+                   additional_config={"flydsl_kda": backend == "KDA:flydsl"}, **self.s.extra, **kw)
+
+    def run_accuracy(self, llm, label):
+        from vllm import SamplingParams
+
+        prompts = self.prompts(self.s.acc_prompts, seed=11)
+        engine = llm.llm_engine
+        t0 = time.perf_counter()
+        n0 = len(self.calls)
+        done, steps, next_i = {}, 0, 0
+        while next_i < len(prompts) or engine.has_unfinished_requests():
+            if next_i < len(prompts) and (next_i == 0 or steps >= 6):  # 8 now, 8 after 6 steps
+                for i in range(next_i, min(next_i + len(prompts) // 2, len(prompts))):
+                    engine.add_request(str(i), {"prompt_token_ids": prompts[i]},
+                                       SamplingParams(max_tokens=self.s.acc_tokens + 2 * i, temperature=0.0,
+                                                      ignore_eos=True, logprobs=TOP_N))
+                next_i = min(next_i + len(prompts) // 2, len(prompts))
+            for o in engine.step():
+                if o.finished:
+                    done[int(o.request_id)] = o
+            steps += 1
+        outs = [done[i] for i in range(len(prompts))]
+        toks, lps = _tokens_and_logprobs(outs)
+        calls = self.calls[n0:]
+        rec = {"tokens": toks, "logprobs": lps, "seconds": time.perf_counter() - t0, "kda_decode_calls": len(calls),
+               "kda_decode_rows": sorted(set(calls))}
+        self.accuracy[label] = rec
+        log(f"accuracy {label}: {sum(map(len, toks))} tokens in {steps} steps, kda_decode calls {len(calls)} "
+            f"(rows {rec['kda_decode_rows']})")
+
+    def accuracy_pairs(self):
+        """Hook on against hook off, per mode."""
+        pairs = []
+        for backend, mode, max_len, _ in self.s.engines:
+            off, on = f"KDA:vllm {mode} {max_len}", f"KDA:flydsl {mode} {max_len}"
+            if backend == "KDA:flydsl" and all("tokens" in self.accuracy.get(k, {}) for k in (off, on)):
+                pairs.append((off, on))
+        return pairs
+
+    def count_calls(self):
+        """Count this project's kda_decode calls (``kda_backend.vllm`` looks ``api.kda_decode`` up per call)."""
+        import kda_backend.api as api
+
+        original = api.kda_decode
+
+        def counted(*args, **kwargs):
+            if self.calls is not None:
+                self.calls.append(int(kwargs["x"].shape[0]) if "x" in kwargs else -1)
+            return original(*args, **kwargs)
+
+        api.kda_decode = counted
+
+
+def kimi_settings() -> Settings:
+    engines = [(b, m, 2048, True) for m in ("eager", "graphs") for b in ("KDA:vllm", "KDA:flydsl")]
+    pick = os.environ.get("ENGINE_BENCH_ENGINES", "").strip()
+    if pick:
+        engines = [(b, m, int(n), True) for b, m, n in (item.rsplit(":", 2) for item in pick.split(","))]
+    return Settings(cpu=False, acc_prompts=16, acc_tokens=64, batches=(16, 64), out_tokens=128, kv_bytes=2 << 30,
+                    engines=engines, capture_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64),
+                    extra={"gpu_memory_utilization": 0.5})
 
 
 def _short(e: BaseException) -> str:
@@ -320,15 +437,24 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="directory for engine_bench.csv, accuracy.json, summary.md")
     ap.add_argument("--cpu", action="store_true", help="CPU smoke run (vLLM's CPU worker, FLYDSL only, tiny sizes)")
+    ap.add_argument("--model", choices=("llama", "kimi"), default="llama",
+                    help="llama: FLYDSL vs TRITON_ATTN (default); kimi: the KDA decode hook on vs off (GPU)")
     ap.add_argument("--budget", type=float, default=float(os.environ.get("ENGINE_BENCH_BUDGET", 480)),
                     help="seconds after which no new engine is started (default 480)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.model == "kimi" and args.cpu:
+        log("--model kimi runs on the GPU (the CPU engine case is integration_tests/e2e/test_vllm_kimi_engine.py)")
+        return 2
     if args.cpu:
         from integration_tests.e2e import vllm_cpu
 
         vllm_cpu.prepare()
+    elif args.model == "kimi":
+        from integration_tests.e2e import vllm_kimi
+
+        vllm_kimi.prepare_gpu()
     else:
         from integration_tests.e2e import vllm_gpu
 
@@ -339,12 +465,20 @@ def main(argv=None) -> int:
     if not args.cpu and not torch.cuda.is_available():
         log("no CUDA device: use --cpu for the CPU smoke run")
         return 2
-    s = settings(args.cpu)
-    with tempfile.TemporaryDirectory(prefix="tiny_llama_") as d:
-        model_dir = tm.build(d)
+    s = kimi_settings() if args.model == "kimi" else settings(args.cpu)
+    with tempfile.TemporaryDirectory(prefix=f"tiny_{args.model}_") as d:
+        if args.model == "kimi":
+            from integration_tests.e2e import tiny_kimi
+
+            model_dir = tiny_kimi.build(d)
+        else:
+            model_dir = tm.build(d)
         log(f"model built in {model_dir}; device {device}; engines {len(s.engines)}")
-        bench = Bench(out=out, s=s, model_dir=model_dir, device=device,
-                      commit=os.environ.get("FLYDSL_BACKENDS_COMMIT", ""))
+        cls = KimiBench if args.model == "kimi" else Bench
+        bench = cls(out=out, s=s, model_dir=model_dir, device=device,
+                    commit=os.environ.get("FLYDSL_BACKENDS_COMMIT", ""))
+        if args.model == "kimi":
+            bench.count_calls()
         bench.run(args.budget)
     pairs, _ = bench.compare()
     ok = not bench.errors and all(p["check_logprobs_close"] for p in pairs) and bool(pairs)

@@ -3,7 +3,7 @@
 {"flydsl_kda": true}``: pure decode batches run ``kda_backend.kda_decode``, the torch reference on
 CPU) and off (vLLM's own Triton decode kernel, run by the Triton interpreter).
 
-What it takes on CPU (``vllm_kimi_cpu.prepare``): torch stand-ins for the compiled ops on the path
+What it takes on CPU (``vllm_kimi.prepare_cpu``): torch stand-ins for the compiled ops on the path
 (MLA decode / cache insert, the CPU conv-state update), the Triton interpreter for vLLM's KDA
 kernels (FP32 compute for bf16 activations: the interpreter has no bf16 arithmetic), and CPU_MLA
 accepting the hybrid's 128-multiple manager block. See that module.
@@ -36,7 +36,7 @@ import torch
 pytest.importorskip("vllm")
 
 from integration_tests.e2e import tiny_kimi  # noqa: E402
-from integration_tests.e2e import vllm_kimi_cpu  # noqa: E402
+from integration_tests.e2e import vllm_kimi  # noqa: E402
 
 PROMPTS = 6  # 8 took ~5.5 min on 2 cores; 6 keeps CI under 20 min
 NEW_TOKENS = 16  # prompt i gets NEW_TOKENS + 2 i: staggered finishes give mixed prefill+decode batches
@@ -53,8 +53,8 @@ def _serve(model_dir, hook: bool):
     if torch.cuda.is_available():
         pytest.skip("the CPU engine case")
     try:
-        vllm_kimi_cpu.prepare()
-    except vllm_kimi_cpu.TritonUnavailable as exc:
+        vllm_kimi.prepare_cpu()
+    except vllm_kimi.TritonUnavailable as exc:
         pytest.skip(str(exc))
     import kda_backend.api as api
     from vllm import LLM, SamplingParams
@@ -140,7 +140,7 @@ def test_mla_decode_stand_in_is_paged_softmax_attention():
     lens = torch.tensor([40, 17], dtype=torch.int32)
     q = torch.randn(2, heads, width, generator=g)
     out = torch.empty(2, heads, rank)
-    vllm_kimi_cpu._mla_decode(out, q, cache, 0.1, table, lens)
+    vllm_kimi._mla_decode(out, q, cache, 0.1, table, lens)
     for i in range(2):
         kv = torch.cat([cache[int(b)] for b in table[i]])[: int(lens[i])]
         ref = torch.softmax(q[i] @ kv.T * 0.1, dim=-1) @ kv[:, :rank]
@@ -161,7 +161,21 @@ def test_conv_update_stand_in_matches_vllm_torch_conv():
     ref = causal_conv1d_update_torch(x[[0, 2]].unsqueeze(-1), ref_state[[4, 2]], w, None, "silu").squeeze(-1)
     expect_state = state.clone()
     expect_state[[4, 2]] = torch.cat([state[[4, 2]], x[[0, 2]].unsqueeze(-1)], dim=-1)[..., 1:]
-    out = vllm_kimi_cpu._conv_update(x, state, w, None, "silu", idx, None, 0)
+    out = vllm_kimi._conv_update(x, state, w, None, "silu", idx, None, 0)
     torch.testing.assert_close(out[[0, 2]], ref)
     assert torch.count_nonzero(out[1]) == 0
     torch.testing.assert_close(state, expect_state)
+
+
+def test_latent_insert_stand_in_writes_live_slots_and_leaves_padding_rows():
+    g = torch.Generator().manual_seed(2)
+    blocks, bs, rank, rope = 4, 16, 8, 4
+    cache = torch.full((blocks, bs, rank + rope), 1e30)
+    kv_c = torch.randn(3, rank, generator=g)
+    k_pe = torch.randn(3, 1, rope, generator=g)
+    slots = torch.tensor([37, -1, 18, -1])  # row 1 is CUDA-graph padding; the mapping may be longer than the rows
+    expect = cache.clone()
+    expect[2, 5] = torch.cat([kv_c[0], k_pe[0, 0]])
+    expect[1, 2] = torch.cat([kv_c[2], k_pe[2, 0]])
+    vllm_kimi._insert_latent(kv_c, k_pe, cache, slots, bs)
+    torch.testing.assert_close(cache, expect, rtol=0, atol=0)

@@ -1,18 +1,37 @@
-"""What a vLLM 0.33 engine needs, beyond ``vllm_cpu.prepare()``, to serve a Kimi-Linear model
-(KDA linear-attention layers + MLA layers) on a CPU machine without vLLM's compiled CPU extension.
+"""What a vLLM 0.33 engine needs to serve a Kimi-Linear model (KDA linear-attention layers + MLA
+layers) without vLLM's compiled extensions: on a CPU machine (``prepare_cpu``, beyond
+``vllm_cpu.prepare()``) and on an NVIDIA GPU (``prepare_gpu``, beyond ``vllm_gpu.prepare()``).
 Test-side only; nothing here changes an installed file.
 
-* ``torch.ops._C.mla_decode_kvcache(out, q, kv_cache, scale, block_tables, seq_lens)``: the CPU MLA
-  decode kernel (``CPU_MLA``'s ``forward_mqa``) in plain torch: for each request, softmax(q . k * scale)
-  over its first ``seq_len`` latent cache rows, times the rows' first ``kv_lora_rank`` columns
-  (the latent "V"), accumulated in FP32.
+Both:
+
 * ``torch.ops._C.fused_kimi_k3_mla_key_concat_kv_cache_insert`` (MLA prefill) and
   ``fused_kimi_k3_mla_decode_q_concat_kv_cache_insert`` (MLA decode), the CUDA epilogues of the Kimi
   MLA layer (``models/kimi_k3/nvidia/ops/fused_mla_key_concat_kv_cache.py``), in torch for the
   unquantized cache: the full key ``[k_nope | k_pe]`` (prefill) or the latent query
   ``[ql_nope | q_pe]`` (decode) and the latent ``[kv_c_normed | k_pe]`` written at each slot >= 0
-  (block = slot // block_size, row = slot % block_size). NoPE only (Kimi-Linear's MLA): a RoPE
+  (block = slot // block_size, row = slot % block_size); rows with slot < 0 (CUDA-graph padding) leave
+  the cache as it was (no host sync: the write is graph-safe). NoPE only (Kimi-Linear's MLA): a RoPE
   request (``positions``) raises.
+* Environment: ``VLLM_KIMI_K3_GEMM_AR=0`` (the Kimi model otherwise imports cute-DSL/cutlass to set
+  up a fused GEMM+all-reduce).
+
+GPU (``prepare_gpu``; ``engine_kwargs_gpu`` gives the engine arguments):
+
+* MLA layers on ``TRITON_MLA`` (vLLM's Triton decode kernel; FlashMLA / FlashAttention-MLA /
+  FlashInfer-MLA are compiled or absent) and MLA prefill on vLLM's ``CPU`` prefill backend, which is
+  plain torch attention per request and runs on CUDA tensors too (vLLM's CUDA prefill backends need
+  FlashAttention, FlashInfer or TRT-LLM). No prefix caching: continuing an MLA prefill from cached
+  context gathers the cache with compiled ops (``cp_gather_cache``).
+* vLLM's KDA layer runs its own Triton kernels (chunked prefill, conv, recurrent decode): nothing to
+  stand in for.
+
+CPU (``prepare_cpu``):
+
+* ``torch.ops._C.mla_decode_kvcache(out, q, kv_cache, scale, block_tables, seq_lens)``: the CPU MLA
+  decode kernel (``CPU_MLA``'s ``forward_mqa``) in plain torch: for each request, softmax(q . k * scale)
+  over its first ``seq_len`` latent cache rows, times the rows' first ``kv_lora_rank`` columns
+  (the latent "V"), accumulated in FP32.
 * ``torch.ops._C.causal_conv1d_update_cpu_vec`` (vLLM's CPU conv-state update, used by the KDA decode
   on the CPU platform): per row whose state index is not ``pad_slot_id``, the depthwise causal conv
   over [cached inputs | new input] (+ bias, SiLU), then the cache keeps the newest ``state_len``
@@ -47,12 +66,11 @@ Test-side only; nothing here changes an installed file.
   path the hook replaces), are wrapped: bf16/fp16 activations go in as FP32 (vLLM's own kernel then
   computes in FP32, the recurrent state is FP32 anyway) and the output is rounded back to the
   activation dtype. In an FP32 model the wrappers pass straight through.
-* Environment: ``VLLM_KIMI_K3_GEMM_AR=0`` (the Kimi model otherwise imports cute-DSL/cutlass to set
-  up a fused GEMM+all-reduce), ``TRITON_INTERPRET=1`` (vLLM's KDA prefill and its conv / decode
+* Environment: ``TRITON_INTERPRET=1`` (vLLM's KDA prefill and its conv / decode
   kernels are Triton: the interpreter runs them on CPU, slowly).
 
-Call ``prepare()`` before ``vllm.LLM`` in the engine's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-before anything has imported ``vllm.triton_utils`` (it raises ``TritonUnavailable`` otherwise: run the module
+Call ``prepare_cpu()`` / ``prepare_gpu()`` before ``vllm.LLM`` in the engine's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
+(CPU) before anything has imported ``vllm.triton_utils`` (it raises ``TritonUnavailable`` otherwise: run the module
 in its own pytest process).
 """
 
@@ -91,12 +109,15 @@ def _mla_decode(out, query, kv_cache, scale, block_tables, seq_lens):
 def _insert_latent(kv_c, k_pe, kv_cache, slot_mapping, block_size):
     import torch
 
-    slots = slot_mapping[: kv_c.shape[0]].long()
-    live = torch.nonzero(slots >= 0).flatten()
-    if live.numel():
-        s = slots[live]
-        latent = torch.cat([kv_c[live], k_pe[live].reshape(live.numel(), -1)], dim=-1)
-        kv_cache[s // block_size, s % block_size] = latent.to(kv_cache.dtype)
+    n = int(kv_c.shape[0])
+    slots = slot_mapping[:n].long()
+    valid = slots >= 0
+    s = torch.where(valid, slots, torch.zeros_like(slots))
+    blk, row = s // block_size, s % block_size
+    latent = torch.cat([kv_c, k_pe.reshape(n, -1)], dim=-1).to(kv_cache.dtype)
+    # padding rows (slot < 0) write back what slot 0 holds (the null block's first row): no host sync,
+    # so a captured graph can replay it
+    kv_cache[blk, row] = torch.where(valid[:, None], latent, kv_cache[blk, row])
 
 
 def _no_rope(positions, cos_sin_cache):
@@ -226,38 +247,74 @@ def _patch_lang_aliases(interpreter):
     return patch_lang
 
 
-def prepare() -> None:
+_EPILOGUES = {
+    "fused_kimi_k3_mla_key_concat_kv_cache_insert": (
+        "Tensor q, Tensor k_nope, Tensor k_pe, Tensor kv_c_normed, Tensor(a!) k_out, Tensor(b!) kv_cache, "
+        "Tensor slot_mapping, int block_size, Tensor? positions, Tensor? cos_sin_cache", "_mla_key_concat_insert"),
+    "fused_kimi_k3_mla_decode_q_concat_kv_cache_insert": (
+        "Tensor ql_nope, Tensor q_pe, Tensor kv_c_normed, Tensor k_pe, Tensor(a!) mqa_q, Tensor(b!) kv_cache, "
+        "Tensor slot_mapping, int block_size, Tensor? positions, Tensor? cos_sin_cache", "_mla_decode_q_concat_insert"),
+}
+_CPU_OPS = {
+    "mla_decode_kvcache": (
+        "Tensor(a!) out, Tensor query, Tensor kv_cache, float scale, Tensor block_tables, Tensor seq_lens",
+        "_mla_decode"),
+    "causal_conv1d_update_cpu_vec": (
+        "Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, str? activation, Tensor? conv_state_indices, "
+        "Tensor? query_start_loc, int pad_slot_id", "_conv_update"),
+}
+_RETURNS = {"causal_conv1d_update_cpu_vec": "Tensor"}
+
+
+def register_ops(ops: dict, dispatch_key: str) -> None:
+    """Define the stand-in ``torch.ops._C`` ops of ``ops`` for ``dispatch_key`` (a name that already
+    exists, e.g. from a real extension, is left alone)."""
     global _LIB
+    import torch
+
+    if _LIB is None:
+        _LIB = torch.library.Library("_C", "FRAGMENT")
+    for name, (args, fn) in ops.items():
+        if hasattr(torch.ops._C, name):
+            continue
+        _LIB.define(f"{name}({args}) -> {_RETURNS.get(name, '()')}")
+        _LIB.impl(name, globals()[fn], dispatch_key)
+
+
+def prepare_gpu() -> None:
+    """``vllm_gpu.prepare()`` plus the Kimi MLA epilogues on CUDA (engine arguments: ``engine_kwargs_gpu``)."""
+    from integration_tests.e2e import vllm_gpu
+
+    os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")
+    vllm_gpu.prepare()
+    register_ops(_EPILOGUES, "CUDA")
+
+
+def engine_kwargs_gpu(mode: str, capture_sizes=None) -> dict:
+    """``vllm_gpu.engine_kwargs(mode)`` with the MLA layers on TRITON_MLA and MLA prefill on vLLM's torch
+    (``CPU``) prefill backend, no prefix caching (see the module docstring)."""
+    from integration_tests.e2e import vllm_gpu
+
+    kw = vllm_gpu.engine_kwargs(mode, capture_sizes)
+    kw["attention_config"] = {"backend": "TRITON_MLA", "mla_prefill_backend": "CPU"}
+    kw["enable_prefix_caching"] = False
+    return kw
+
+
+def prepare_cpu() -> None:
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     os.environ.setdefault("VLLM_KIMI_K3_GEMM_AR", "0")
     os.environ.setdefault("TRITON_INTERPRET", "1")
     vllm_cpu.prepare()
-    import torch
     from vllm.triton_utils import HAS_TRITON
 
     if not HAS_TRITON:
         raise TritonUnavailable(
             "vLLM decided at import time that Triton is unusable (vllm.triton_utils.HAS_TRITON is False): "
-            "this process imported vllm.triton_utils before vllm_kimi_cpu.prepare() set CUDA_VISIBLE_DEVICES='' "
+            "this process imported vllm.triton_utils before vllm_kimi.prepare_cpu() set CUDA_VISIBLE_DEVICES='' "
             "(e.g. another vLLM engine test ran first). Run this test module in its own pytest process.")
-
-    if _LIB is None and not hasattr(torch.ops._C, "mla_decode_kvcache"):
-        _LIB = torch.library.Library("_C", "FRAGMENT")
-        _LIB.define("mla_decode_kvcache(Tensor(a!) out, Tensor query, Tensor kv_cache, float scale, "
-                    "Tensor block_tables, Tensor seq_lens) -> ()")
-        _LIB.impl("mla_decode_kvcache", _mla_decode, "CPU")
-        _LIB.define("fused_kimi_k3_mla_key_concat_kv_cache_insert(Tensor q, Tensor k_nope, Tensor k_pe, "
-                    "Tensor kv_c_normed, Tensor(a!) k_out, Tensor(b!) kv_cache, Tensor slot_mapping, int block_size, "
-                    "Tensor? positions, Tensor? cos_sin_cache) -> ()")
-        _LIB.impl("fused_kimi_k3_mla_key_concat_kv_cache_insert", _mla_key_concat_insert, "CPU")
-        _LIB.define("fused_kimi_k3_mla_decode_q_concat_kv_cache_insert(Tensor ql_nope, Tensor q_pe, "
-                    "Tensor kv_c_normed, Tensor k_pe, Tensor(a!) mqa_q, Tensor(b!) kv_cache, Tensor slot_mapping, "
-                    "int block_size, Tensor? positions, Tensor? cos_sin_cache) -> ()")
-        _LIB.impl("fused_kimi_k3_mla_decode_q_concat_kv_cache_insert", _mla_decode_q_concat_insert, "CPU")
-        _LIB.define("causal_conv1d_update_cpu_vec(Tensor x, Tensor(a!) conv_state, Tensor weight, Tensor? bias, "
-                    "str? activation, Tensor? conv_state_indices, Tensor? query_start_loc, int pad_slot_id) -> Tensor")
-        _LIB.impl("causal_conv1d_update_cpu_vec", _conv_update, "CPU")
+    register_ops({**_CPU_OPS, **_EPILOGUES}, "CPU")
 
     from triton.runtime import autotuner, interpreter
 
