@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections import OrderedDict
 from typing import Iterable, Optional, Sequence, Tuple, Union
 
 import torch
@@ -246,3 +247,59 @@ def signature_of(*tensors) -> tuple:
     """A hashable key of tensors' shapes, dtypes, strides and devices (None stays None): what a
     memo of per-call-shape decisions (coverage, a chosen implementation) is keyed on."""
     return tuple(None if t is None else (tuple(t.shape), t.dtype, tuple(t.stride()), t.device) for t in tensors)
+
+
+def arg_key(x):
+    """What argument checks read of one argument: a tensor's address, shape, strides, dtype and device;
+    anything else with its type (True is not 1)."""
+    if isinstance(x, torch.Tensor):
+        return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
+    return (type(x), x)
+
+
+class CheckMemo:
+    """A bounded LRU memo of argument checks. A server calls an op with the same buffers, shapes and
+    strides step after step, so each distinct argument set is checked in full once and later calls only
+    rebuild the problem around the caller's tensors. Keys (``key(*parts)``, parts built with
+    ``arg_key``) must hold everything the checks read; a call that fails its checks is never stored;
+    only derived numbers are kept, never tensors (a server that frees its buffers gets the memory back).
+    Meta tensors share addresses (0): never stored."""
+
+    def __init__(self, size: int = 4096):
+        self._items: "OrderedDict[tuple, tuple]" = OrderedDict()
+        self.size = size
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @staticmethod
+    def key(*parts):
+        """A hashable key of ``parts``, or None when one cannot be one (an unhashable argument: the full
+        checks then run, and reject it)."""
+        try:
+            hash(parts)
+        except TypeError:
+            return None
+        return parts
+
+    def get(self, key):
+        """The stored facts of ``key`` (None: not checked yet, or ``key`` is None: not memoizable)."""
+        if key is None:
+            return None
+        hit = self._items.get(key)
+        if hit is not None:
+            try:
+                self._items.move_to_end(key)
+            except KeyError:  # evicted meanwhile by another thread: the facts are still right
+                pass
+        return hit
+
+    def put(self, key, device: torch.device, facts: tuple) -> None:
+        if key is None or device.type == "meta":
+            return
+        self._items[key] = facts
+        while len(self._items) > self.size:
+            try:
+                self._items.popitem(last=False)
+            except KeyError:
+                break

@@ -15,6 +15,8 @@ from typing import Optional
 import torch
 
 from backend_core.validation import (
+    CheckMemo,
+    arg_key,
     checked_tensor,
     require_dtype,
     require_float,
@@ -278,7 +280,43 @@ def prepare(
     f_b_weight=None,
     with_f_b: bool = False,
 ) -> KDAProblem:
-    """Validate a ``kda_decode`` / ``kda_decode_with_f_b`` call and normalize it. Nothing is written."""
+    """Validate a ``kda_decode`` / ``kda_decode_with_f_b`` call and normalize it. Nothing is written.
+
+    Memoized on what the checks read (``backend_core.validation.CheckMemo``: every tensor's address,
+    shape, strides, dtype and device, every other argument with its type): a server's decode step
+    passes the same buffers layer after layer, step after step, so each distinct call is checked in
+    full once and later ones only rebuild the problem around the caller's tensors."""
+    args = (x, conv_weight, conv_state, a, b, A_log, dt_bias, state, state_indices, output_gate, norm_weight,
+            conv_bias, lower_bound, norm_eps, scale, out, f_a, f_b_weight)
+    key = CheckMemo.key(bool(with_f_b), *(arg_key(v) for v in args))
+    hit = _CALL_MEMO.get(key)
+    if hit is None:
+        problem = _prepare(*args, with_f_b=with_f_b)
+        _CALL_MEMO.put(key, problem.device, (problem.B, problem.H, problem.K, problem.V, problem.W, problem.num_slots,
+                                             problem.lower_bound, problem.norm_eps, problem.scale))
+    else:
+        B, H, K, V, W, num_slots, lower_bound, norm_eps, scale = hit
+        if out is None:
+            out = torch.empty((B, H, V), dtype=x.dtype, device=x.device)
+        has_conv = conv_weight is not None
+        problem = KDAProblem(
+            B=B, H=H, K=K, V=V, W=W, x=x, conv_weight=conv_weight, conv_bias=conv_bias if has_conv else None,
+            conv_state=conv_state if has_conv else None, a=None if with_f_b else a,
+            f_a=f_a if with_f_b else None, f_b_weight=f_b_weight if with_f_b else None,
+            b=b[0] if b.dim() == 3 else b, A_log=A_log, dt_bias=dt_bias, state=state, state_indices=state_indices,
+            output_gate=output_gate, norm_weight=norm_weight, lower_bound=lower_bound, norm_eps=norm_eps,
+            scale=scale, out=out, num_slots=num_slots,
+        )
+    if SLOT_CHECK:
+        check_unique_slots(problem, SLOT_CHECK_PADDING_SLOT)
+    return problem
+
+
+_CALL_MEMO = CheckMemo(4096)  # (KDA layers x decode batch sizes) of a few models
+
+
+def _prepare(x, conv_weight, conv_state, a, b, A_log, dt_bias, state, state_indices, output_gate, norm_weight,
+             conv_bias, lower_bound, norm_eps, scale, out, f_a, f_b_weight, *, with_f_b: bool) -> KDAProblem:
     x, state, B, H, V, K, slots = _check_x_and_state(x, state)
     device = x.device
     state_indices = checked_tensor(state_indices, "state_indices", device, INDEX_DTYPES, anchor="x")
@@ -316,8 +354,6 @@ def prepare(
         output_gate=output_gate, norm_weight=norm_weight, lower_bound=lower_bound,
         norm_eps=norm_eps, scale=scale, out=out, num_slots=num_slots,
     )
-    if SLOT_CHECK:
-        check_unique_slots(problem, SLOT_CHECK_PADDING_SLOT)
     return problem
 
 

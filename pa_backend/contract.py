@@ -7,7 +7,6 @@ Validation reads no tensor data (no host sync); nothing is written before it pas
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -15,6 +14,8 @@ import torch
 
 from backend_core.validation import (
     INT32_MAX,
+    CheckMemo,
+    arg_key,
     checked_tensor,
     require_data,
     require_disjoint,
@@ -186,7 +187,7 @@ class PABatch:
         """What ``check_layer`` reads of the batch (the per-call memo's part of it), made once."""
         if self._key is None:
             qsl = self.query_start_loc_host
-            self._key = (_arg_key(self.block_tables), _arg_key(self.context_lengths), _arg_key(self.query_start_loc),
+            self._key = (arg_key(self.block_tables), arg_key(self.context_lengths), arg_key(self.query_start_loc),
                          self.query_length, self.num_seqs, qsl[-1] if qsl else None)
         return self._key
 
@@ -232,67 +233,23 @@ def check_batch(*, block_tables, context_lengths, query_length=1, query_start_lo
     return PABatch(block_tables, context_lengths, query_start_loc, query_start_loc_host, query_length, N)
 
 
-# Checks memoized on what they read: a server's layers pass their tensors at the same addresses, shapes
-# and strides step after step, so each distinct argument set is checked in full once and later calls
-# only rebuild the problem around the caller's tensors (the per-layer cost of plan.run and write_kv; a
-# model's caches, checked once per process). The key is everything the checks read: each tensor's
-# address, shape, strides, dtype and device, every other argument with its type (True is not 1), the
-# anchor device, and for a layer the batch's own key. A call that fails its checks is never stored.
-# Only derived numbers are kept, never the tensors: a server that frees its caches gets the memory back.
-_CALL_MEMO: "OrderedDict[tuple, tuple]" = OrderedDict()
-_CALL_MEMO_SIZE = 4096  # (layers x distinct activation buffers, and each layer's caches) of a few models
-
-
-def _arg_key(x):
-    if isinstance(x, torch.Tensor):
-        return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
-    return (type(x), x)
-
-
-def _memo_get(key):
-    """The stored facts of ``key`` (None: not checked yet, or ``key`` is None: not memoizable)."""
-    if key is None:
-        return None
-    hit = _CALL_MEMO.get(key)
-    if hit is not None:
-        try:
-            _CALL_MEMO.move_to_end(key)
-        except KeyError:  # evicted meanwhile by another thread: the facts are still right
-            pass
-    return hit
-
-
-def _memo_key(*parts):
-    """A hashable key of the arguments, or None when one cannot be one (an unhashable argument: the full
-    checks then run, and reject it)."""
-    try:
-        hash(parts)
-    except TypeError:
-        return None
-    return parts
-
-
-def _memo_put(key, device: torch.device, facts: tuple) -> None:
-    if key is None or device.type == "meta":  # meta tensors share addresses (0): never stored
-        return
-    _CALL_MEMO[key] = facts
-    while len(_CALL_MEMO) > _CALL_MEMO_SIZE:
-        try:
-            _CALL_MEMO.popitem(last=False)
-        except KeyError:
-            break
+# Checks memoized on what they read (backend_core.validation.CheckMemo): a server's layers pass their
+# tensors at the same addresses, shapes and strides step after step. Keys: each tensor's address, shape,
+# strides, dtype and device, every other argument with its type, the anchor device, and for a layer the
+# batch's own key.
+_CALL_MEMO = CheckMemo(4096)  # (layers x distinct activation buffers, and each layer's caches) of a few models
 
 
 def checked_cache(key_cache, value_cache, key_scale, value_scale, device, anchor: str) -> KVCache:
     """``_check_cache`` memoized on what it reads, so the layers of a model are checked once per
     process, not per call."""
-    key = _memo_key("cache", device, _arg_key(key_cache), _arg_key(value_cache), _arg_key(key_scale),
-                    _arg_key(value_scale))
-    hit = _memo_get(key)
+    key = CheckMemo.key("cache", device, arg_key(key_cache), arg_key(value_cache), arg_key(key_scale),
+                    arg_key(value_scale))
+    hit = _CALL_MEMO.get(key)
     if hit is not None:
         return _cache_from_facts(key_cache, value_cache, key_scale, value_scale, hit)
     cache = _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor)
-    _memo_put(key, device, _cache_facts(cache))
+    _CALL_MEMO.put(key, device, _cache_facts(cache))
     return cache
 
 
@@ -312,10 +269,10 @@ def check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, val
                 sliding_window=0, sinks=None, num_partitions=None, out=None, anchor: str = "query") -> PAProblem:
     """Validate one layer's arguments against a checked batch: cheap (shapes, dtypes; the checks are
     memoized on what they read, so a server's layers are checked in full once). Nothing is written."""
-    key = _memo_key("layer", anchor, batch.memo_key(), _arg_key(query), _arg_key(key_cache), _arg_key(value_cache),
-                    _arg_key(key_scale), _arg_key(value_scale), _arg_key(softmax_scale), _arg_key(sliding_window),
-                    _arg_key(sinks), _arg_key(num_partitions), _arg_key(out))
-    hit = _memo_get(key)
+    key = CheckMemo.key("layer", anchor, batch.memo_key(), arg_key(query), arg_key(key_cache), arg_key(value_cache),
+                    arg_key(key_scale), arg_key(value_scale), arg_key(softmax_scale), arg_key(sliding_window),
+                    arg_key(sinks), arg_key(num_partitions), arg_key(out))
+    hit = _CALL_MEMO.get(key)
     if hit is not None:
         facts, Hq, softmax_scale, sliding_window = hit
         if out is None:
@@ -329,7 +286,7 @@ def check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, val
     p = _check_layer(batch, query=query, key_cache=key_cache, value_cache=value_cache, key_scale=key_scale,
                      value_scale=value_scale, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
                      num_partitions=num_partitions, out=out, anchor=anchor)
-    _memo_put(key, batch.device, (_cache_facts(p.cache), p.Hq, p.softmax_scale, p.sliding_window))
+    _CALL_MEMO.put(key, batch.device, (_cache_facts(p.cache), p.Hq, p.softmax_scale, p.sliding_window))
     return p
 
 
@@ -430,15 +387,15 @@ def check_query_start_loc(values: Sequence[int], num_seqs: int, num_rows: Option
 
 def prepare_write(*, key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale) -> WriteProblem:
     """Validate a write_kv call (memoized on what the checks read, as ``check_layer``). Nothing is written."""
-    memo = _memo_key("write", _arg_key(key), _arg_key(value), _arg_key(key_cache), _arg_key(value_cache),
-                     _arg_key(slot_mapping), _arg_key(key_scale), _arg_key(value_scale))
-    hit = _memo_get(memo)
+    memo = CheckMemo.key("write", arg_key(key), arg_key(value), arg_key(key_cache), arg_key(value_cache),
+                     arg_key(slot_mapping), arg_key(key_scale), arg_key(value_scale))
+    hit = _CALL_MEMO.get(memo)
     if hit is not None:
         return WriteProblem(key=key, value=value, slot_mapping=slot_mapping,
                             cache=_cache_from_facts(key_cache, value_cache, key_scale, value_scale, hit))
     p = _prepare_write(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
                        key_scale=key_scale, value_scale=value_scale)
-    _memo_put(memo, p.device, _cache_facts(p.cache))
+    _CALL_MEMO.put(memo, p.device, _cache_facts(p.cache))
     return p
 
 

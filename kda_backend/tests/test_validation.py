@@ -176,3 +176,46 @@ def _close(a, b):
     if not torch.equal(fin, torch.isfinite(b)) or not torch.equal(a[~fin].nan_to_num(), b[~fin].nan_to_num()):
         return False
     return rel_err(a[fin], b[fin]) < 1e-2 if fin.any() else True
+
+
+def test_checks_are_memoized_on_what_they_read(monkeypatch):
+    """A server's decode step repeats the same argument set layer after layer: it is checked in full once;
+    the problem rebuilt from the memo is the one the full checks give; any argument that differs (another
+    dtype, an overlapping output, a bad scalar) is checked again and still raises."""
+    import kda_backend.contract as contract
+    from backend_core.validation import CheckMemo
+
+    calls = []
+    full = contract._prepare
+    monkeypatch.setattr(contract, "_CALL_MEMO", CheckMemo())  # (earlier tests' buffers)
+    monkeypatch.setattr(contract, "_prepare", lambda *a, **k: calls.append(1) or full(*a, **k))
+    for with_f_b in (False, True):
+        case = make_case(B=3, H=2, K=32, W=4, with_f_b=with_f_b, device=DEVICE, seed=5)
+        kw = dict(case.kwargs)
+        kw.setdefault("a", None)
+        if kw["b"].dim() == 2:  # the [1, B, H] form (vLLM's): the rebuilt problem must squeeze it too
+            kw["b"] = kw["b"][None]
+        calls.clear()
+        first = contract.prepare(**kw, with_f_b=with_f_b)
+        again = [contract.prepare(**kw, with_f_b=with_f_b) for _ in range(3)]
+        assert len(calls) == 1
+        assert first.b.dim() == 2
+        for p in again:
+            for name in ("B", "H", "K", "V", "W", "num_slots", "lower_bound", "norm_eps", "scale"):
+                assert getattr(p, name) == getattr(first, name), name
+            for a, b in zip(p.kernel_tensors(), first.kernel_tensors()):
+                assert a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride())
+            assert p.kernel_strides() == first.kernel_strides()
+        no_out = dict(kw, out=None)
+        p1, p2 = contract.prepare(**no_out, with_f_b=with_f_b), contract.prepare(**no_out, with_f_b=with_f_b)
+        assert p1.out.data_ptr() != p2.out.data_ptr() and p2.out.shape == first.out.shape  # a fresh out each call
+    kw = dict(make_case(B=3, H=2, K=32, W=4, device=DEVICE, seed=6).kwargs)
+    contract.prepare(**kw)
+    n = len(calls)
+    for bad, exc, msg in ((dict(out=kw["out"][:1].expand(kw["out"].shape)), ValueError, "out: elements overlap"),
+                          (dict(x=kw["x"].float()), ValueError, "x: expected dtype bfloat16"),
+                          (dict(norm_eps=-1.0), ValueError, "norm_eps: expected a positive number"),
+                          (dict(scale=torch.tensor(0.1)), TypeError, "scale: expected a Python float")):
+        with pytest.raises(exc, match=msg):
+            contract.prepare(**dict(kw, **bad))
+    assert len(calls) == n + 4 and len(contract._CALL_MEMO) == 5  # failed calls are never stored
