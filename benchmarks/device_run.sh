@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify bench-kda bench-pa sweep-pa e2e-vllm
-# e2e-kimi
+# e2e-kimi tests-e2e-vllm
 # probe-warps probe-grid profile-vllm
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
@@ -68,6 +68,10 @@ for step in $steps; do
     # FLYDSL vs TRITON_ATTN, accuracy and throughput; ENGINE_BENCH_BUDGET (s) stops starting new engines
     e2e-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 -m integration_tests.e2e.engine_bench
                    --out "$out/e2e") ;;
+    # the CPU CI's vLLM engine cases on the GPU worker (128k tables + prefix caching + chunked prefill under
+    # FULL_DECODE_ONLY graphs, preemption, ngram speculation, torch.compile + FULL_AND_PIECEWISE)
+    tests-e2e-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider -rfs
+                         integration_tests/e2e/test_vllm_engine.py) ;;
     # the tiny Kimi-Linear in the same engine, this project's KDA decode hook on vs off (eager, graphs)
     e2e-kimi) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 -m integration_tests.e2e.engine_bench
                    --model kimi --out "$out/e2e-kimi") ;;

@@ -14,8 +14,8 @@ Accuracy: FLYDSL against TRITON_ATTN with vLLM's ``check_logprobs_close`` rule (
 where two greedy sequences differ, each chosen token must be in the other run's top-5), the number of
 identical sequences, the copy rule of the model (``tiny_model.copy_rule_agreement``) and the argmax
 agreement of HF transformers teacher-forced on each engine's tokens. Throughput: batch 16 and 64, 128
-output tokens (ignore_eos), ``llm.generate`` timed after a warm-up ``generate`` of the same batch; the
-graph-mode tokens of the two backends are compared too.
+output tokens (ignore_eos), ``llm.generate`` timed after a warm-up ``generate`` of the same batch, the
+median of 5 timed calls (GPU); the graph-mode tokens of the two backends are compared too.
 
 Writes into --out: ``engine_bench.csv`` (date, commit from $FLYDSL_BACKENDS_COMMIT, device, backend, mode,
 max_model_len, batch, tokens, seconds, tok_s, notes; rewritten after every row), ``accuracy.json`` and
@@ -48,6 +48,7 @@ import datetime
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -72,6 +73,7 @@ class Settings:
     engines: list  # [(backend, mode, max_model_len, accuracy)]
     kv_bytes: int
     capture_sizes: tuple = ()
+    repeats: int = 1  # timed generate calls per throughput point (the median is reported)
     # GPU: the KV size is kv_bytes; the utilization only sets the free memory a new engine demands at start
     # (an engine not fully freed by the previous one must not fail the next)
     extra: dict = field(default_factory=dict)
@@ -91,7 +93,7 @@ def settings(cpu: bool) -> Settings:
             backend, mode, max_len = item.split(":")
             engines.append((backend, mode, int(max_len), mode != "graphs"))
     return Settings(cpu=False, acc_prompts=16, acc_tokens=64, batches=(16, 64), out_tokens=128, kv_bytes=4 << 30,
-                    engines=engines, capture_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64),
+                    engines=engines, capture_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64), repeats=5,
                     extra={"gpu_memory_utilization": 0.5})
 
 
@@ -185,13 +187,18 @@ class Bench:
             try:
                 _generate(llm, prompts, self.s.out_tokens)  # warm-up: same shapes, JIT and autotuning done
                 sync()
-                t0 = time.perf_counter()
-                outs = _generate(llm, prompts, self.s.out_tokens)
-                sync()
-                dt = time.perf_counter() - t0
+                times = []
+                for _ in range(self.s.repeats):  # the engine is host-bound: single runs vary 5-25%
+                    t0 = time.perf_counter()
+                    outs = _generate(llm, prompts, self.s.out_tokens)
+                    sync()
+                    times.append(time.perf_counter() - t0)
+                dt = statistics.median(times)
                 toks = [list(o.outputs[0].token_ids) for o in outs]
                 n = sum(len(t) for t in toks)
                 note = self.throughput_note(prompts, toks)
+                if len(times) > 1:
+                    note += f"; median of {len(times)} runs ({min(times):.4f}-{max(times):.4f} s)"
                 self.generated.setdefault((mode, max_len, batch), {})[backend] = toks
                 self.row(backend, mode, max_len, batch, n, dt, note)
                 log(f"{backend} {mode} max_model_len={max_len} batch={batch}: {n} tokens in {dt:.3f} s = "
@@ -409,7 +416,7 @@ def kimi_settings() -> Settings:
     if pick:
         engines = [(b, m, int(n), True) for b, m, n in (item.rsplit(":", 2) for item in pick.split(","))]
     return Settings(cpu=False, acc_prompts=16, acc_tokens=64, batches=(16, 64), out_tokens=128, kv_bytes=2 << 30,
-                    engines=engines, capture_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64),
+                    engines=engines, capture_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64), repeats=5,
                     extra={"gpu_memory_utilization": 0.5})
 
 

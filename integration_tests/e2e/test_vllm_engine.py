@@ -3,6 +3,10 @@
 
 CPU (CI): the engine's CPU worker, this project's attention on the torch reference
 (``vllm_cpu.prepare`` supplies the three compiled-extension entry points the CPU worker calls).
+NVIDIA GPU (``benchmarks/device_run.sh tests-e2e-vllm``): the same cases on the GPU worker and this
+project's Triton kernels (``vllm_gpu.prepare`` stands in for vLLM's CUDA extensions); the main
+engine there runs CUDA graphs (FULL_DECODE_ONLY, captured sizes 1, 2, 4, 8, 16, so most decode
+batches are padded to a captured size) and the compiled case is torch.compile + FULL_AND_PIECEWISE.
 The model (``tiny_model``) copies the token COPY_BACK positions back, so every greedy token checks
 the K/V the backend read; the tokens are also compared with HF transformers running the same
 weights (greedy, and teacher-forced argmax on the engine's own tokens).
@@ -24,9 +28,11 @@ import torch
 pytest.importorskip("vllm")
 
 from integration_tests.e2e import tiny_model as tm  # noqa: E402
-from integration_tests.e2e import vllm_cpu  # noqa: E402
+from integration_tests.e2e import vllm_cpu, vllm_gpu  # noqa: E402
 
 NEW_TOKENS = 24
+GPU = torch.cuda.is_available()
+CAPTURE_SIZES = (1, 2, 4, 8, 16)
 
 
 @pytest.fixture(scope="module")
@@ -34,15 +40,19 @@ def model_dir(tmp_path_factory):
     return tm.build(tmp_path_factory.mktemp("tiny_llama"))
 
 
-def _engine(model_dir, **kw):
-    if torch.cuda.is_available():
-        pytest.skip("the CPU engine case (the H200 run is not part of this module)")
-    vllm_cpu.prepare()
+def _engine(model_dir, mode="eager", **kw):
+    """``mode``: eager; graphs (GPU: FULL_DECODE_ONLY CUDA graphs; CPU: eager, it has none); compiled
+    (torch.compile; GPU: with FULL_AND_PIECEWISE graphs)."""
+    if GPU:
+        vllm_gpu.prepare()
+        kw.update(vllm_gpu.engine_kwargs(mode, capture_sizes=CAPTURE_SIZES), gpu_memory_utilization=0.3)
+    else:
+        vllm_cpu.prepare()
+        kw.update(enforce_eager=mode != "compiled", compilation_config={"custom_ops": ["none"]})
     from vllm import LLM
 
     return LLM(model=str(model_dir), skip_tokenizer_init=True, attention_backend="FLYDSL", kv_cache_dtype="fp8",
-               block_size=16, dtype="bfloat16", seed=0, enforce_eager=kw.pop("enforce_eager", True),
-               compilation_config={"custom_ops": ["none"]}, max_num_seqs=16,
+               block_size=16, dtype="bfloat16", seed=0, max_num_seqs=16,
                # an explicit KV size: the CPU worker's default sizing counts every process on the node
                kv_cache_memory_bytes=kw.pop("kv_cache_memory_bytes", 512 << 20), **kw)
 
@@ -51,7 +61,7 @@ def _engine(model_dir, **kw):
 def engine(model_dir):
     """Server-width tables (max_model_len 131072: 8192 block-table columns per request), prefix
     caching, chunked prefill at 64 batched tokens."""
-    llm = _engine(model_dir, max_model_len=131072, enable_prefix_caching=True, enable_chunked_prefill=True,
+    llm = _engine(model_dir, "graphs", max_model_len=131072, enable_prefix_caching=True, enable_chunked_prefill=True,
                   max_num_batched_tokens=64)
     yield llm
     del llm
@@ -124,6 +134,8 @@ def test_ngram_speculative_decoding(model_dir):
     accepted and verify steps run the multi-token decode path (query length 1 + 3)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: F401 (vLLM present)
 
+    pytest.importorskip("numba", reason="vLLM's ngram proposer needs numba")
+
     import pa_backend.vllm as pav
 
     seen = []
@@ -157,7 +169,7 @@ plans = []
 real_decode, real_prefill = pav.plan_decode, pav.plan_prefill
 pav.plan_decode = lambda *a, **k: plans.append("decode") or real_decode(*a, **k)
 pav.plan_prefill = lambda *a, **k: plans.append("prefill") or real_prefill(*a, **k)
-llm = t._engine(sys.argv[1], max_model_len=4096, enforce_eager=False)
+llm = t._engine(sys.argv[1], "compiled", max_model_len=4096)
 mode = str(llm.llm_engine.vllm_config.compilation_config.mode)
 prompts = tm.prompts(8, seed=6)
 print("RESULT " + json.dumps({"mode": mode, "prompts": prompts, "gen": t._generate(llm, prompts, n=16),
@@ -166,8 +178,8 @@ print("RESULT " + json.dumps({"mode": mode, "prompts": prompts, "gen": t._genera
 
 
 def test_torch_compiled_model(model_dir, tmp_path):
-    """The model under torch.compile (enforce_eager=False: the compilation mode the CPU platform
-    picks, inductor; CUDA graphs do not exist on the CPU) with the FLYDSL attention inside the
+    """The model under torch.compile (CPU: enforce_eager=False, the compilation mode the CPU platform
+    picks, inductor, no CUDA graphs; GPU: mode 3 with FULL_AND_PIECEWISE graphs) with the FLYDSL attention inside the
     compiled graph as vLLM's attention custom op: greedy tokens follow the copy rule and equal HF's,
     and the batches ran through this project's plans. In a fresh interpreter: vLLM 0.33's kernel
     override scan under compilation fails on llvmlite's FFI wrapper once numba is imported (the
