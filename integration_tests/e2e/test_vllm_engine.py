@@ -134,7 +134,11 @@ def test_ngram_speculative_decoding(model_dir):
     accepted and verify steps run the multi-token decode path (query length 1 + 3)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: F401 (vLLM present)
 
-    pytest.importorskip("numba", reason="vLLM's ngram proposer needs numba")
+    import importlib.util
+
+    # found, not imported: vLLM's kernel-override scan at worker start fails on numba's llvmlite objects
+    if importlib.util.find_spec("numba") is None:
+        pytest.skip("vLLM's ngram proposer needs numba (not installed here)")
 
     import pa_backend.vllm as pav
 
