@@ -32,6 +32,7 @@ run there): eager only, batch 2, 8 tokens, max_model_len 1024 and 131072; the ac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import gc
@@ -91,19 +92,20 @@ def log(msg: str) -> None:
 def first_divergence_ok(tok_a, lp_a, tok_b, lp_b, top_n=TOP_N):
     """vLLM's check_logprobs_close rule for one pair of greedy sequences: walk both; at the first
     position where the tokens differ, each chosen token must be among the other run's top-``top_n``
-    logprobs there, and nothing after it is compared. Returns (ok, first differing position or None)."""
+    logprobs there, and nothing after it is compared. ``lp_x[i]``: {token: rank (1 = best; None =
+    unranked, counted as in the top)} at position i. Returns (ok, first differing position or None)."""
     for i, (a, b) in enumerate(zip(tok_a, tok_b)):
         if a == b:
             continue
-        top_a = {t for t, lp in lp_a[i].items() if lp.rank is None or lp.rank <= top_n}
-        top_b = {t for t, lp in lp_b[i].items() if lp.rank is None or lp.rank <= top_n}
+        top_a = {t for t, rank in lp_a[i].items() if rank is None or rank <= top_n}
+        top_b = {t for t, rank in lp_b[i].items() if rank is None or rank <= top_n}
         return (a in top_b and b in top_a), i
     return True, None
 
 
 def _tokens_and_logprobs(outs):
     return ([list(o.outputs[0].token_ids) for o in outs],
-            [list(o.outputs[0].logprobs or []) for o in outs])
+            [[{t: lp.rank for t, lp in pos.items()} for pos in (o.outputs[0].logprobs or [])] for o in outs])
 
 
 def _generate(llm, prompts, n, logprobs=None):
@@ -115,6 +117,10 @@ def _generate(llm, prompts, n, logprobs=None):
 
 @dataclass
 class Bench:
+    """One benchmark run: engines built one at a time (``build``), greedy batches (``generate``), the
+    accuracy pairs and the CSV / accuracy.json / summary.md. The vLLM engine here; a subclass serves
+    another framework (``sglang_engine_bench``) by overriding ``build``, ``generate`` and ``close``."""
+
     out: Path
     s: Settings
     model_dir: Path
@@ -124,6 +130,9 @@ class Bench:
     accuracy: dict = field(default_factory=dict)  # label -> {tokens, logprobs, ...}
     generated: dict = field(default_factory=dict)  # (mode, max_model_len, batch) -> {backend: tokens}
     errors: list = field(default_factory=list)
+    framework = "vLLM"
+    length_name = "max_model_len"  # the framework's name for the context length (tables, logs)
+    accuracy_setup = "FP8 KV cache, block 16, eager."
 
     def row(self, backend, mode, max_len, batch, tokens, seconds, notes=""):
         self.rows.append({"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
@@ -147,10 +156,20 @@ class Bench:
                    max_num_seqs=max(self.s.batches + (self.s.acc_prompts,)), enable_prefix_caching=False,
                    kv_cache_memory_bytes=self.s.kv_bytes, **self.s.extra, **kw)
 
+    def generate(self, llm, prompts, n, logprobs=None):
+        """Greedy tokens of ``prompts`` (one batch, ``n`` tokens each, ignore_eos) and, with
+        ``logprobs``, per position {token: rank} of the top ``logprobs`` tokens."""
+        return _tokens_and_logprobs(_generate(llm, prompts, n, logprobs=logprobs))
+
+    def close(self, llm):
+        """Free the engine (the next one must find its memory)."""
+        del llm
+        free()
+
     def run_accuracy(self, llm, label):
         prompts = tm.prompts(self.s.acc_prompts, seed=11)
         t0 = time.perf_counter()
-        toks, lps = _tokens_and_logprobs(_generate(llm, prompts, self.s.acc_tokens, logprobs=TOP_N))
+        toks, lps = self.generate(llm, prompts, self.s.acc_tokens, logprobs=TOP_N)
         dt = time.perf_counter() - t0
         copy = sum(tm.copy_rule_agreement(p, g) for p, g in zip(prompts, toks)) / len(prompts)
         rec = {"tokens": toks, "logprobs": lps, "copy_rule": copy, "seconds": dt}
@@ -167,23 +186,22 @@ class Bench:
             prompts = tm.prompts(batch, seed=100 + batch)
             tokens = batch * self.s.out_tokens
             try:
-                _generate(llm, prompts, self.s.out_tokens)  # warm-up: same shapes, JIT and autotuning done
+                self.generate(llm, prompts, self.s.out_tokens)  # warm-up: same shapes, JIT and autotuning done
                 sync()
                 t0 = time.perf_counter()
-                outs = _generate(llm, prompts, self.s.out_tokens)
+                toks, _ = self.generate(llm, prompts, self.s.out_tokens)
                 sync()
                 dt = time.perf_counter() - t0
-                toks = [list(o.outputs[0].token_ids) for o in outs]
                 n = sum(len(t) for t in toks)
                 copy = sum(tm.copy_rule_agreement(p, g) for p, g in zip(prompts, toks)) / batch
                 self.generated.setdefault((mode, max_len, batch), {})[backend] = toks
                 self.row(backend, mode, max_len, batch, n, dt, f"copy_rule={copy:.4f}")
-                log(f"{backend} {mode} max_model_len={max_len} batch={batch}: {n} tokens in {dt:.3f} s = "
+                log(f"{backend} {mode} {self.length_name}={max_len} batch={batch}: {n} tokens in {dt:.3f} s = "
                     f"{n / dt:.1f} tok/s, copy rule {copy:.4f}")
             except Exception as e:
                 self.row(backend, mode, max_len, batch, tokens, 0, f"error: {_short(e)}")
                 self.errors.append(f"{backend} {mode} {max_len} batch {batch}: {traceback.format_exc()}")
-                log(f"{backend} {mode} max_model_len={max_len} batch={batch}: FAILED {_short(e)}")
+                log(f"{backend} {mode} {self.length_name}={max_len} batch={batch}: FAILED {_short(e)}")
 
     def run(self, budget: float):
         start = time.monotonic()
@@ -195,30 +213,42 @@ class Bench:
                     self.row(backend, mode, max_len, batch, batch * self.s.out_tokens, 0, "skipped: time budget")
                 continue
             log(f"{label}: building the engine")
-            llm = None
-            try:
-                t0 = time.perf_counter()
-                llm = self.build(backend, mode, max_len)
-                log(f"{label}: engine ready in {time.perf_counter() - t0:.1f} s")
-                if acc:
-                    try:
-                        self.run_accuracy(llm, label)
-                    except Exception as e:
-                        self.errors.append(f"{label} accuracy: {traceback.format_exc()}")
-                        self.accuracy[label] = {"error": _short(e)}
-                        log(f"{label}: accuracy FAILED {_short(e)}")
-                self.run_throughput(llm, backend, mode, max_len)
-            except Exception as e:
-                self.errors.append(f"{label} engine: {traceback.format_exc()}")
-                log(f"{label}: engine FAILED {_short(e)}")
-                for batch in self.s.batches:
-                    self.row(backend, mode, max_len, batch, batch * self.s.out_tokens, 0,
-                             f"engine error: {_short(e)}")
-            finally:
-                del llm
-                free()
-                self.report(final=False)  # what a killed run leaves behind is still readable
+            with self.engine_scope(label):
+                self.run_engine(label, backend, mode, max_len, acc)
+            self.report(final=False)  # what a killed run leaves behind is still readable
         self.report()
+
+    def engine_scope(self, label):
+        """Context around one engine's life (a subclass may redirect its processes' logs)."""
+        return contextlib.nullcontext()
+
+    def run_engine(self, label, backend, mode, max_len, acc):
+        llm = None
+        try:
+            t0 = time.perf_counter()
+            llm = self.build(backend, mode, max_len)
+            log(f"{label}: engine ready in {time.perf_counter() - t0:.1f} s")
+            if acc:
+                try:
+                    self.run_accuracy(llm, label)
+                except Exception as e:
+                    self.errors.append(f"{label} accuracy: {traceback.format_exc()}")
+                    self.accuracy[label] = {"error": _short(e)}
+                    log(f"{label}: accuracy FAILED {_short(e)}")
+            self.run_throughput(llm, backend, mode, max_len)
+        except BaseException as e:  # KeyboardInterrupt / a watchdog's exception too: record, then go on
+            self.errors.append(f"{label} engine: {traceback.format_exc()}")
+            log(f"{label}: engine FAILED {_short(e)}")
+            for batch in self.s.batches:
+                self.row(backend, mode, max_len, batch, batch * self.s.out_tokens, 0,
+                         f"engine error: {_short(e)}")
+            if not isinstance(e, Exception) and not getattr(e, "benchmark_watchdog", False):
+                raise
+        finally:
+            try:
+                self.close(llm)
+            except Exception:
+                self.errors.append(f"{label} close: {traceback.format_exc()}")
 
     def compare(self):
         """Accuracy pairs (the first eager engine against each other one) and graph-mode token equality."""
@@ -256,9 +286,9 @@ class Bench:
                    "engines": per_engine, "pairs": pairs, "same_tokens_across_backends": graphs,
                    "errors": self.errors}
         (self.out / "accuracy.json").write_text(json.dumps(summary, indent=1))
-        md = [f"# vLLM engine end to end ({self.device}, commit {self.commit or '?'})", "",
+        md = [f"# {self.framework} engine end to end ({self.device}, commit {self.commit or '?'})", "",
               f"Accuracy: {self.s.acc_prompts} prompts x {self.s.acc_tokens} greedy tokens, logprobs={TOP_N}, "
-              "FP8 KV cache, block 16, eager.", "",
+              f"{self.accuracy_setup}", "",
               "| engine | copy rule | HF argmax agreement |", "|---|---|---|"]
         for k, v in per_engine.items():
             md.append(f"| {k} | {v.get('copy_rule', v.get('error', '-'))} | "
@@ -269,10 +299,10 @@ class Bench:
                       f"{p['identical_sequences']}/{p['sequences']} |")
         if graphs:
             md += ["", "Same greedy tokens across backends in the throughput runs:", "",
-                   "| mode | max_model_len | batch | identical sequences |", "|---|---|---|---|"]
+                   f"| mode | {self.length_name} | batch | identical sequences |", "|---|---|---|---|"]
             md += [f"| {g['mode']} | {g['max_model_len']} | {g['batch']} | "
                    f"{g['identical_sequences']}/{g['sequences']} |" for g in graphs]
-        md += ["", "| backend | mode | max_model_len | batch | tokens | seconds | tok/s | notes |",
+        md += ["", f"| backend | mode | {self.length_name} | batch | tokens | seconds | tok/s | notes |",
                "|---|---|---|---|---|---|---|---|"]
         md += [f"| {r['backend']} | {r['mode']} | {r['max_model_len']} | {r['batch']} | {r['tokens']} | "
                f"{r['seconds']} | {r['tok_s']} | {r['notes']} |" for r in self.rows]
@@ -316,16 +346,39 @@ def free():
         torch.cuda.empty_cache()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_main(bench_cls, settings_fn, prepare, argv=None, description="") -> int:
+    """The command line shared by the engine benchmarks: ``prepare(cpu)`` readies the framework in
+    this process (before its engine is imported), ``settings_fn(cpu)`` picks the engines."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", required=True, help="directory for engine_bench.csv, accuracy.json, summary.md")
-    ap.add_argument("--cpu", action="store_true", help="CPU smoke run (vLLM's CPU worker, FLYDSL only, tiny sizes)")
+    ap.add_argument("--cpu", action="store_true", help="CPU smoke run (the framework's CPU path, flydsl only, "
+                                                     "tiny sizes)")
     ap.add_argument("--budget", type=float, default=float(os.environ.get("ENGINE_BENCH_BUDGET", 480)),
                     help="seconds after which no new engine is started (default 480)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.cpu:
+    prepare(args.cpu)
+    import torch
+
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    if not args.cpu and not torch.cuda.is_available():
+        log("no CUDA device: use --cpu for the CPU smoke run")
+        return 2
+    s = settings_fn(args.cpu)
+    with tempfile.TemporaryDirectory(prefix="tiny_llama_") as d:
+        model_dir = tm.build(d)
+        log(f"model built in {model_dir}; device {device}; engines {len(s.engines)}")
+        bench = bench_cls(out=out, s=s, model_dir=model_dir, device=device,
+                          commit=os.environ.get("FLYDSL_BACKENDS_COMMIT", ""))
+        bench.run(args.budget)
+    pairs, _ = bench.compare()
+    ok = not bench.errors and all(p["check_logprobs_close"] for p in pairs) and bool(pairs)
+    return 0 if ok else 1
+
+
+def _prepare_vllm(cpu: bool) -> None:
+    if cpu:
         from integration_tests.e2e import vllm_cpu
 
         vllm_cpu.prepare()
@@ -333,22 +386,10 @@ def main(argv=None) -> int:
         from integration_tests.e2e import vllm_gpu
 
         vllm_gpu.prepare()
-    import torch
 
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
-    if not args.cpu and not torch.cuda.is_available():
-        log("no CUDA device: use --cpu for the CPU smoke run")
-        return 2
-    s = settings(args.cpu)
-    with tempfile.TemporaryDirectory(prefix="tiny_llama_") as d:
-        model_dir = tm.build(d)
-        log(f"model built in {model_dir}; device {device}; engines {len(s.engines)}")
-        bench = Bench(out=out, s=s, model_dir=model_dir, device=device,
-                      commit=os.environ.get("FLYDSL_BACKENDS_COMMIT", ""))
-        bench.run(args.budget)
-    pairs, _ = bench.compare()
-    ok = not bench.errors and all(p["check_logprobs_close"] for p in pairs) and bool(pairs)
-    return 0 if ok else 1
+
+def main(argv=None) -> int:
+    return run_main(Bench, settings, _prepare_vllm, argv, description=__doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":
