@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify bench-kda bench-pa sweep-pa e2e-vllm
-# e2e-kimi tests-e2e-vllm
+# e2e-kimi tests-e2e-vllm e2e-sglang
 # probe-warps probe-grid profile-vllm
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
@@ -75,6 +75,11 @@ for step in $steps; do
     # the tiny Kimi-Linear in the same engine, this project's KDA decode hook on vs off (eager, graphs)
     e2e-kimi) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 -m integration_tests.e2e.engine_bench
                    --model kimi --out "$out/e2e-kimi") ;;
+    # a real SGLang engine on the GPU without sgl_kernel (integration_tests/e2e/sglang_gpu.py: an out-of-tree CUDA
+    # platform of the test), flydsl vs triton, accuracy and throughput, logs per engine in $out/e2e-sglang/logs;
+    # needs .whl/extra and .whl/vllm (make_device_bundle.sh sglang and vllm)
+    e2e-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m integration_tests.e2e.sglang_engine_bench
+                     --out "$out/e2e-sglang") ;;
     tests-kda) cmd=(python3 -m pytest -q -m gpu kda_backend -p no:cacheprovider -rf) ;;
     # the PA interpreter tests pick the GPU when there is one: run them all (write_kv, safety cases)
     tests-pa) cmd=(python3 -m pytest -q pa_backend -p no:cacheprovider -rf) ;;

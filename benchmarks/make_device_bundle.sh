@@ -16,7 +16,9 @@
 # sglang (for the integration_tests/sglang GPU cases; carry all of .whl, ~50 MiB):
 # * .whl/extra/sglang-<version>-py.tar.gz: SGLang's Python tree without compiled files (~17 MiB);
 # * .whl/extra/*.whl: what the modules those tests import need beyond the image and the vllm bundle's
-#   wheels (found by listing the site-packages modules an import of them loads: 2026-12-04).
+#   wheels (found by listing the site-packages modules an import of them loads: 2026-12-04), plus what
+#   sglang.Engine's processes import (e2e-sglang): setproctitle (scheduler, detokenizer) and python-multipart
+#   (fastapi form routes), the rest being in the image or the vllm bundle (CPU engine's module list, 2026-12-04).
 # Prints the sizes: everything a call carries, the repository included, must stay under 64 MiB.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -46,7 +48,7 @@ if [ "$what" = sglang ]; then
   tar czf "$dest/sglang-$version-py.tar.gz" -C "$site" --exclude='*.so' --exclude='__pycache__' --exclude='*.pyc' \
     sglang "sglang-$version.dist-info"
   # shellcheck disable=SC2046
-  download $(pins gguf traitlets opentelemetry-api dill uvicorn ipython)
+  download $(pins gguf traitlets opentelemetry-api dill uvicorn ipython setproctitle python-multipart)
   du -cb "$dest"/* | awk 'END {printf "bundle .whl/extra: %.1f MiB\n", $1 / 1048576}'
   exit 0
 fi

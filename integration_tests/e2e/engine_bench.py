@@ -43,6 +43,7 @@ run there): eager only, batch 2, 8 tokens, max_model_len 1024 and 131072; the ac
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import datetime
 import gc
@@ -104,19 +105,21 @@ def log(msg: str) -> None:
 def first_divergence_ok(tok_a, lp_a, tok_b, lp_b, top_n=TOP_N):
     """vLLM's check_logprobs_close rule for one pair of greedy sequences: walk both; at the first
     position where the tokens differ, each chosen token must be among the other run's top-``top_n``
-    logprobs there, and nothing after it is compared. Returns (ok, first differing position or None)."""
+    logprobs there, and nothing after it is compared. ``lp_x[i]``: {token: (rank, logprob)} at
+    position i (rank 1 = best; None = unranked, counted as in the top). Returns (ok, first differing position or None)."""
     for i, (a, b) in enumerate(zip(tok_a, tok_b)):
         if a == b:
             continue
-        top_a = {t for t, lp in lp_a[i].items() if lp.rank is None or lp.rank <= top_n}
-        top_b = {t for t, lp in lp_b[i].items() if lp.rank is None or lp.rank <= top_n}
+        top_a = {t for t, (rank, _) in lp_a[i].items() if rank is None or rank <= top_n}
+        top_b = {t for t, (rank, _) in lp_b[i].items() if rank is None or rank <= top_n}
         return (a in top_b and b in top_a), i
     return True, None
 
 
 def _tokens_and_logprobs(outs):
     return ([list(o.outputs[0].token_ids) for o in outs],
-            [list(o.outputs[0].logprobs or []) for o in outs])
+            [[{t: (lp.rank, lp.logprob) for t, lp in pos.items()} for pos in (o.outputs[0].logprobs or [])]
+             for o in outs])
 
 
 def _generate(llm, prompts, n, logprobs=None):
@@ -128,6 +131,10 @@ def _generate(llm, prompts, n, logprobs=None):
 
 @dataclass
 class Bench:
+    """One benchmark run: engines built one at a time (``build``), greedy batches (``generate``), the
+    accuracy pairs and the CSV / accuracy.json / summary.md. The vLLM engine here; a subclass serves
+    another framework (``sglang_engine_bench``) by overriding ``build``, ``generate`` and ``close``."""
+
     out: Path
     s: Settings
     model_dir: Path
@@ -137,8 +144,10 @@ class Bench:
     accuracy: dict = field(default_factory=dict)  # label -> {tokens, logprobs, ...}
     generated: dict = field(default_factory=dict)  # (mode, max_model_len, batch) -> {backend: tokens}
     errors: list = field(default_factory=list)
+    framework = "vLLM"
     title = "tiny Llama, FLYDSL vs TRITON_ATTN"
-    setting = "FP8 KV cache, block 16, eager"
+    length_name = "max_model_len"  # the framework's name for the context length (tables, logs)
+    accuracy_setup = "FP8 KV cache, block 16, eager"
 
     def row(self, backend, mode, max_len, batch, tokens, seconds, notes=""):
         self.rows.append({"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),
@@ -165,10 +174,20 @@ class Bench:
     def prompts(self, n, seed):
         return tm.prompts(n, seed=seed)
 
+    def generate(self, llm, prompts, n, logprobs=None):
+        """Greedy tokens of ``prompts`` (one batch, ``n`` tokens each, ignore_eos) and, with
+        ``logprobs``, per position {token: (rank, logprob)} of the top ``logprobs`` tokens."""
+        return _tokens_and_logprobs(_generate(llm, prompts, n, logprobs=logprobs))
+
+    def close(self, llm):
+        """Free the engine (the next one must find its memory)."""
+        del llm
+        free()
+
     def run_accuracy(self, llm, label):
         prompts = self.prompts(self.s.acc_prompts, seed=11)
         t0 = time.perf_counter()
-        toks, lps = _tokens_and_logprobs(_generate(llm, prompts, self.s.acc_tokens, logprobs=TOP_N))
+        toks, lps = self.generate(llm, prompts, self.s.acc_tokens, logprobs=TOP_N)
         dt = time.perf_counter() - t0
         copy = sum(tm.copy_rule_agreement(p, g) for p, g in zip(prompts, toks)) / len(prompts)
         rec = {"tokens": toks, "logprobs": lps, "copy_rule": copy, "seconds": dt}
@@ -185,28 +204,27 @@ class Bench:
             prompts = self.prompts(batch, seed=100 + batch)
             tokens = batch * self.s.out_tokens
             try:
-                _generate(llm, prompts, self.s.out_tokens)  # warm-up: same shapes, JIT and autotuning done
+                self.generate(llm, prompts, self.s.out_tokens)  # warm-up: same shapes, JIT and autotuning done
                 sync()
                 times = []
                 for _ in range(self.s.repeats):  # the engine is host-bound: single runs vary 5-25%
                     t0 = time.perf_counter()
-                    outs = _generate(llm, prompts, self.s.out_tokens)
+                    toks, _ = self.generate(llm, prompts, self.s.out_tokens)
                     sync()
                     times.append(time.perf_counter() - t0)
                 dt = statistics.median(times)
-                toks = [list(o.outputs[0].token_ids) for o in outs]
                 n = sum(len(t) for t in toks)
                 note = self.throughput_note(prompts, toks)
                 if len(times) > 1:
                     note += f"; median of {len(times)} runs ({min(times):.4f}-{max(times):.4f} s)"
                 self.generated.setdefault((mode, max_len, batch), {})[backend] = toks
                 self.row(backend, mode, max_len, batch, n, dt, note)
-                log(f"{backend} {mode} max_model_len={max_len} batch={batch}: {n} tokens in {dt:.3f} s = "
+                log(f"{backend} {mode} {self.length_name}={max_len} batch={batch}: {n} tokens in {dt:.3f} s = "
                     f"{n / dt:.1f} tok/s, {note}")
             except Exception as e:
                 self.row(backend, mode, max_len, batch, tokens, 0, f"error: {_short(e)}")
                 self.errors.append(f"{backend} {mode} {max_len} batch {batch}: {traceback.format_exc()}")
-                log(f"{backend} {mode} max_model_len={max_len} batch={batch}: FAILED {_short(e)}")
+                log(f"{backend} {mode} {self.length_name}={max_len} batch={batch}: FAILED {_short(e)}")
 
     def throughput_note(self, prompts, toks):
         copy = sum(tm.copy_rule_agreement(p, g) for p, g in zip(prompts, toks)) / len(prompts)
@@ -222,30 +240,42 @@ class Bench:
                     self.row(backend, mode, max_len, batch, batch * self.s.out_tokens, 0, "skipped: time budget")
                 continue
             log(f"{label}: building the engine")
-            llm = None
-            try:
-                t0 = time.perf_counter()
-                llm = self.build(backend, mode, max_len)
-                log(f"{label}: engine ready in {time.perf_counter() - t0:.1f} s")
-                if acc:
-                    try:
-                        self.run_accuracy(llm, label)
-                    except Exception as e:
-                        self.errors.append(f"{label} accuracy: {traceback.format_exc()}")
-                        self.accuracy[label] = {"error": _short(e)}
-                        log(f"{label}: accuracy FAILED {_short(e)}")
-                self.run_throughput(llm, backend, mode, max_len)
-            except Exception as e:
-                self.errors.append(f"{label} engine: {traceback.format_exc()}")
-                log(f"{label}: engine FAILED {_short(e)}")
-                for batch in self.s.batches:
-                    self.row(backend, mode, max_len, batch, batch * self.s.out_tokens, 0,
-                             f"engine error: {_short(e)}")
-            finally:
-                del llm
-                free()
-                self.report(final=False)  # what a killed run leaves behind is still readable
+            with self.engine_scope(label):
+                self.run_engine(label, backend, mode, max_len, acc)
+            self.report(final=False)  # what a killed run leaves behind is still readable
         self.report()
+
+    def engine_scope(self, label):
+        """Context around one engine's life (a subclass may redirect its processes' logs)."""
+        return contextlib.nullcontext()
+
+    def run_engine(self, label, backend, mode, max_len, acc):
+        llm = None
+        try:
+            t0 = time.perf_counter()
+            llm = self.build(backend, mode, max_len)
+            log(f"{label}: engine ready in {time.perf_counter() - t0:.1f} s")
+            if acc:
+                try:
+                    self.run_accuracy(llm, label)
+                except Exception as e:
+                    self.errors.append(f"{label} accuracy: {traceback.format_exc()}")
+                    self.accuracy[label] = {"error": _short(e)}
+                    log(f"{label}: accuracy FAILED {_short(e)}")
+            self.run_throughput(llm, backend, mode, max_len)
+        except BaseException as e:  # KeyboardInterrupt / a watchdog's exception too: record, then go on
+            self.errors.append(f"{label} engine: {traceback.format_exc()}")
+            log(f"{label}: engine FAILED {_short(e)}")
+            for batch in self.s.batches:
+                self.row(backend, mode, max_len, batch, batch * self.s.out_tokens, 0,
+                         f"engine error: {_short(e)}")
+            if not isinstance(e, Exception) and not getattr(e, "benchmark_watchdog", False):
+                raise
+        finally:
+            try:
+                self.close(llm)
+            except Exception:
+                self.errors.append(f"{label} close: {traceback.format_exc()}")
 
     def compare(self):
         """Accuracy pairs (the first eager engine against each other one) and graph-mode token equality."""
@@ -256,7 +286,7 @@ class Bench:
             for i, (ta, la, tb, lb) in enumerate(zip(a["tokens"], a["logprobs"], b["tokens"], b["logprobs"])):
                 ok, pos = first_divergence_ok(ta, la, tb, lb)
                 for j in range(len(ta) if pos is None else pos):
-                    max_diff = max(max_diff, abs(la[j][ta[j]].logprob - lb[j][tb[j]].logprob))
+                    max_diff = max(max_diff, abs(la[j][ta[j]][1] - lb[j][tb[j]][1]))
                 identical += pos is None
                 if pos is not None:
                     first.append(pos)
@@ -290,25 +320,27 @@ class Bench:
                    "engines": per_engine, "pairs": pairs, "same_tokens_across_backends": graphs,
                    "errors": self.errors}
         (self.out / "accuracy.json").write_text(json.dumps(summary, indent=1))
-        md = [f"# vLLM engine end to end, {self.title} ({self.device}, commit {self.commit or '?'})", "",
+        kda = any("kda_decode_calls" in v for v in per_engine.values())
+        md = [f"# {self.framework} engine end to end, {self.title} ({self.device}, commit {self.commit or '?'})", "",
               f"Accuracy: {self.s.acc_prompts} prompts x {self.s.acc_tokens} greedy tokens, logprobs={TOP_N}, "
-              f"{self.setting}.", "",
-              "| engine | copy rule | HF argmax agreement | kda_decode calls (rows); at build |", "|---|---|---|---|"]
+              f"{self.accuracy_setup}.", "",
+              "| engine | copy rule | HF argmax agreement |" + (" kda_decode calls (rows); at build |" if kda else ""),
+              "|---|---|---|" + ("---|" if kda else "")]
         for k, v in per_engine.items():
             md.append(f"| {k} | {v.get('copy_rule', v.get('error', '-'))} | "
-                      f"{v.get('hf_argmax_agreement', v.get('hf_error', '-'))} | "
-                      f"{v.get('kda_decode_calls', '-')} ({v.get('kda_decode_rows', '-')}); "
-                      f"{v.get('kda_decode_calls_at_build', '-')} |")
+                      f"{v.get('hf_argmax_agreement', v.get('hf_error', '-'))} |"
+                      + (f" {v.get('kda_decode_calls', '-')} ({v.get('kda_decode_rows', '-')}); "
+                         f"{v.get('kda_decode_calls_at_build', '-')} |" if kda else ""))
         md += ["", "| a | b | check_logprobs_close | identical sequences | max abs logprob diff |", "|---|---|---|---|---|"]
         for p in pairs:
             md.append(f"| {p['a']} | {p['b']} | {'pass' if p['check_logprobs_close'] else 'FAIL'} | "
                       f"{p['identical_sequences']}/{p['sequences']} | {p['max_abs_logprob_diff']} |")
         if graphs:
             md += ["", "Same greedy tokens across backends in the throughput runs:", "",
-                   "| mode | max_model_len | batch | identical sequences |", "|---|---|---|---|"]
+                   f"| mode | {self.length_name} | batch | identical sequences |", "|---|---|---|---|"]
             md += [f"| {g['mode']} | {g['max_model_len']} | {g['batch']} | "
                    f"{g['identical_sequences']}/{g['sequences']} |" for g in graphs]
-        md += ["", "| backend | mode | max_model_len | batch | tokens | seconds | tok/s | notes |",
+        md += ["", f"| backend | mode | {self.length_name} | batch | tokens | seconds | tok/s | notes |",
                "|---|---|---|---|---|---|---|---|"]
         md += [f"| {r['backend']} | {r['mode']} | {r['max_model_len']} | {r['batch']} | {r['tokens']} | "
                f"{r['seconds']} | {r['tok_s']} | {r['notes']} |" for r in self.rows]
@@ -331,7 +363,7 @@ class KimiBench(Bench):
     docstring (``--model kimi``)."""
 
     title = "tiny Kimi-Linear, KDA decode hook on vs off"
-    setting = "bf16, MLA on TRITON_MLA, staggered arrivals (mixed prefill+decode batches)"
+    accuracy_setup = "bf16, MLA on TRITON_MLA, staggered arrivals (mixed prefill+decode batches)"
     calls: list = None  # rows of each kda_decode call of the engine running now
     build_calls = 0  # of which made while the engine was built (graph capture)
 
@@ -348,6 +380,9 @@ class KimiBench(Bench):
 
         from integration_tests.e2e import vllm_kimi
 
+        if not getattr(self, "_counting", False):
+            self.count_calls()
+            self._counting = True
         self.calls = []
         kw = vllm_kimi.engine_kwargs_gpu(mode, capture_sizes=self.s.capture_sizes)
         llm = LLM(model=str(self.model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
@@ -410,7 +445,7 @@ class KimiBench(Bench):
         api.kda_decode = counted
 
 
-def kimi_settings() -> Settings:
+def kimi_settings(cpu: bool = False) -> Settings:
     engines = [(b, m, 2048, True) for m in ("eager", "graphs") for b in ("KDA:vllm", "KDA:flydsl")]
     pick = os.environ.get("ENGINE_BENCH_ENGINES", "").strip()
     if pick:
@@ -446,56 +481,78 @@ def free():
         torch.cuda.empty_cache()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def run_main(bench_cls, settings_fn, prepare, argv=None, description="", build_model=None, options=None) -> int:
+    """The command line shared by the engine benchmarks: ``prepare(cpu)`` readies the framework in
+    this process (before its engine is imported), ``settings_fn(cpu)`` picks the engines,
+    ``build_model(dir)`` writes the model (default: ``tiny_model.build``). ``options``: extra
+    arguments (name -> argparse keywords) read by the caller before (``parse_known_args``)."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--out", required=True, help="directory for engine_bench.csv, accuracy.json, summary.md")
-    ap.add_argument("--cpu", action="store_true", help="CPU smoke run (vLLM's CPU worker, FLYDSL only, tiny sizes)")
-    ap.add_argument("--model", choices=("llama", "kimi"), default="llama",
-                    help="llama: FLYDSL vs TRITON_ATTN (default); kimi: the KDA decode hook on vs off (GPU)")
+    ap.add_argument("--cpu", action="store_true", help="CPU smoke run (the framework's CPU path, flydsl only, "
+                                                     "tiny sizes)")
     ap.add_argument("--budget", type=float, default=float(os.environ.get("ENGINE_BENCH_BUDGET", 480)),
                     help="seconds after which no new engine is started (default 480)")
+    for name, kw in (options or {}).items():
+        ap.add_argument(name, **kw)
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    if args.model == "kimi" and args.cpu:
-        log("--model kimi runs on the GPU (the CPU engine case is integration_tests/e2e/test_vllm_kimi_engine.py)")
-        return 2
-    if args.cpu:
-        from integration_tests.e2e import vllm_cpu
-
-        vllm_cpu.prepare()
-    elif args.model == "kimi":
-        from integration_tests.e2e import vllm_kimi
-
-        vllm_kimi.prepare_gpu()
-    else:
-        from integration_tests.e2e import vllm_gpu
-
-        vllm_gpu.prepare()
+    prepare(args.cpu)
     import torch
 
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     if not args.cpu and not torch.cuda.is_available():
         log("no CUDA device: use --cpu for the CPU smoke run")
         return 2
-    s = kimi_settings() if args.model == "kimi" else settings(args.cpu)
-    with tempfile.TemporaryDirectory(prefix=f"tiny_{args.model}_") as d:
-        if args.model == "kimi":
-            from integration_tests.e2e import tiny_kimi
-
-            model_dir = tiny_kimi.build(d)
-        else:
-            model_dir = tm.build(d)
+    s = settings_fn(args.cpu)
+    with tempfile.TemporaryDirectory(prefix="tiny_model_") as d:
+        model_dir = (build_model or tm.build)(d)
         log(f"model built in {model_dir}; device {device}; engines {len(s.engines)}")
-        cls = KimiBench if args.model == "kimi" else Bench
-        bench = cls(out=out, s=s, model_dir=model_dir, device=device,
-                    commit=os.environ.get("FLYDSL_BACKENDS_COMMIT", ""))
-        if args.model == "kimi":
-            bench.count_calls()
+        bench = bench_cls(out=out, s=s, model_dir=model_dir, device=device,
+                          commit=os.environ.get("FLYDSL_BACKENDS_COMMIT", ""))
         bench.run(args.budget)
     pairs, _ = bench.compare()
     ok = not bench.errors and all(p["check_logprobs_close"] for p in pairs) and bool(pairs)
     return 0 if ok else 1
+
+
+def _prepare_vllm(cpu: bool) -> None:
+    if cpu:
+        from integration_tests.e2e import vllm_cpu
+
+        vllm_cpu.prepare()
+    else:
+        from integration_tests.e2e import vllm_gpu
+
+        vllm_gpu.prepare()
+
+
+def _prepare_kimi(cpu: bool) -> None:
+    if cpu:
+        raise SystemExit("--model kimi runs on the GPU (the CPU engine case is "
+                         "integration_tests/e2e/test_vllm_kimi_engine.py)")
+    from integration_tests.e2e import vllm_kimi
+
+    vllm_kimi.prepare_gpu()
+
+
+def _build_kimi(d):
+    from integration_tests.e2e import tiny_kimi
+
+    return tiny_kimi.build(d)
+
+
+def main(argv=None) -> int:
+    model = {"--model": dict(choices=("llama", "kimi"), default="llama",
+                             help="llama: FLYDSL vs TRITON_ATTN (default); kimi: the KDA decode hook on vs off (GPU)")}
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--model", choices=("llama", "kimi"), default="llama")
+    known, _ = pre.parse_known_args(argv)
+    doc = __doc__.split("\n\n")[0]
+    if known.model == "kimi":
+        return run_main(KimiBench, kimi_settings, _prepare_kimi, argv, description=doc, build_model=_build_kimi,
+                        options=model)
+    return run_main(Bench, settings, _prepare_vllm, argv, description=doc, options=model)
 
 
 if __name__ == "__main__":

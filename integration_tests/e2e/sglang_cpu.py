@@ -331,26 +331,75 @@ def prepare(tmpdir, monkeypatch=None, speculative=False) -> dict:
     this process's own platform lookup reads entry points), undone with the monkeypatch.
     ``speculative``: also what speculative decoding needs here (``install_spec_seams``; Triton's
     interpreter for SGLang's spec-path kernels)."""
+    extra = {SPEC_ENV: "1", "TRITON_INTERPRET": "1"} if speculative else {}
+    return declare_platform(tmpdir, DIST, PLATFORM_NAME, f"{__name__}:activate", extra, monkeypatch)
+
+
+def declare_platform(tmpdir, dist, name, entry, extra_env=None, monkeypatch=None,
+                     paths=(ROOT, ROOT / "integration_tests" / "stubs")) -> dict:
+    """Declare an out-of-tree SGLang platform: a ``.dist-info`` for distribution ``dist`` in
+    ``tmpdir`` whose ``sglang.srt.platforms`` entry point ``name`` is ``entry`` (``module:function``),
+    and the environment that makes every SGLang process find it and select it (``PYTHONPATH``:
+    ``tmpdir`` and ``paths`` first; ``SGLANG_PLATFORM``; HF offline; plus ``extra_env``). With
+    pytest's ``monkeypatch`` it is also applied to this process (``os.environ`` and ``sys.path``),
+    otherwise the caller applies the returned environment."""
     tmpdir = Path(tmpdir)
-    info = tmpdir / f"{DIST}-0.0.0.dist-info"
+    info = tmpdir / f"{dist}-0.0.0.dist-info"
     info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {DIST}\nVersion: 0.0.0\n")
-    (info / "entry_points.txt").write_text(
-        f"[sglang.srt.platforms]\n{PLATFORM_NAME} = integration_tests.e2e.sglang_cpu:activate\n")
-    paths = [str(tmpdir), str(ROOT), str(ROOT / "integration_tests" / "stubs")]
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text(f"[sglang.srt.platforms]\n{name} = {entry}\n")
+    paths = [str(tmpdir)] + [str(p) for p in paths]
     old = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {
         "PYTHONPATH": os.pathsep.join(paths + [p for p in old if p not in paths]),
-        "SGLANG_PLATFORM": PLATFORM_NAME,
+        "SGLANG_PLATFORM": name,
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
+        **(extra_env or {}),
     }
-    if speculative:
-        env[SPEC_ENV] = "1"
-        env["TRITON_INTERPRET"] = "1"
     if monkeypatch is not None:
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         for p in reversed(paths):
             monkeypatch.syspath_prepend(p)
     return env
+
+
+class ChildProcessFailed(RuntimeError):
+    """A process of an ``sglang.Engine`` (scheduler, detokenizer) failed: it sent SIGQUIT to the
+    engine's process."""
+
+
+def raise_on_sigquit(signum, frame):
+    """``sglang.Engine(custom_sigquit_handler=...)``: while the engine starts, a failed child makes
+    SGLang kill the whole process tree, the caller included (``engine.py``
+    ``launch_phase_sigquit_handler``); this raises in the caller instead, so a benchmark records the
+    failure and goes on (its log has the child's traceback). Module-level: the handler is part of
+    the engine's arguments."""
+    raise ChildProcessFailed("a child process of the SGLang engine failed while it started (SIGQUIT)")
+
+
+def survive_child_failure(engine, on_failure=None) -> bool:
+    """After start-up, SGLang's tokenizer manager answers a child's SIGQUIT by killing the whole
+    process tree (``SignalHandler.running_phase_sigquit_handler``, installed at the first request).
+    Replace it for ``engine``: stop the request loop instead (the pending ``generate`` then raises),
+    after calling ``on_failure()``. Returns False when the engine does not have the expected
+    attributes (SGLang's own handler then stays)."""
+    tmgr = getattr(engine, "tokenizer_manager", None)
+    base = getattr(tmgr, "signal_handler_class", None)
+    if base is None:
+        return False
+
+    class Handler(base):
+        def running_phase_sigquit_handler(self, signum=None, frame=None):
+            if on_failure is not None:
+                on_failure()
+            watchdog = getattr(self.tokenizer_manager, "_subprocess_watchdog", None)
+            if watchdog is not None:
+                watchdog.stop()
+            loop = getattr(self.tokenizer_manager, "event_loop", None)
+            if loop is not None:
+                loop.stop()
+
+    tmgr.signal_handler_class = Handler
+    return True

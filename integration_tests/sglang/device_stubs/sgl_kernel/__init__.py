@@ -1,6 +1,20 @@
 """Device-run stand-in for sgl_kernel (its CUDA wheel cannot be installed on the test machine): every
 ``sgl_kernel.*`` submodule exists, every name in it is a function that raises when called, so SGLang
-modules that import its names at module level load; nothing of it runs in the tests."""
+modules that import its names at module level load (on a CUDA machine SGLang imports them whenever
+torch sees CUDA, ``_is_cuda = is_cuda()``).
+
+A few names have torch stand-ins (``STANDINS``), for the SGLang engine on the GPU platform of
+``integration_tests/e2e/sglang_gpu.py``, which keeps SGLang's layers on their torch paths; these are
+the sgl_kernel names that path still calls:
+
+* ``sgl_kernel.utils.is_arch_support_pdl()`` -- called by ``TritonAttnBackend.__init__`` on CUDA
+  (``srt/layers/attention/triton_backend.py``) to decide programmatic dependent launch for its
+  Triton kernels: answers False (the kernels launch the ordinary way).
+* ``sgl_kernel.weak_ref_tensor(t)`` -- imported by ``runner_backend_utils/weak_ref_tensor.py`` and
+  called by breakable / piecewise CUDA graphs to keep non-owning views of graph outputs: returns
+  ``t`` itself (a strong reference: the memory stays alive longer, the values are the same). Not
+  reached with decode-only graphs (the GPU platform turns prefill graphs off).
+"""
 import importlib.abc
 import importlib.machinery
 import sys
@@ -29,10 +43,28 @@ class _Stub:
         return f"<sgl_kernel stand-in {self._qualname}>"
 
 
+def _is_arch_support_pdl() -> bool:
+    return False
+
+
+def _weak_ref_tensor(tensor):
+    return tensor
+
+
+# module -> {name: torch stand-in} (see the module docstring for where SGLang calls each)
+STANDINS = {
+    "sgl_kernel": {"weak_ref_tensor": _weak_ref_tensor},
+    "sgl_kernel.utils": {"is_arch_support_pdl": _is_arch_support_pdl},
+}
+
+
 def _missing_attr(modname):
     def __getattr__(name):
         if name.startswith("__"):
             raise AttributeError(name)
+        standin = STANDINS.get(modname, {}).get(name)
+        if standin is not None:
+            return standin
         return _Stub(f"{modname}.{name}")
 
     return __getattr__

@@ -1,0 +1,158 @@
+"""What a real SGLang 0.5.23 engine needs to serve on an NVIDIA GPU without sgl_kernel (its CUDA
+wheel is built for torch 2.14 and cannot travel to the device, which has torch 2.11 + Triton 3.6):
+the GPU counterpart of ``sglang_cpu`` (read with SGLang 0.5.23's source; not run on a GPU here).
+
+How SGLang decides "CUDA" (two independent answers):
+
+* ``sglang.srt.utils.is_cuda()`` is torch's answer (``torch.cuda.is_available() and
+  torch.version.cuda``), evaluated at import time by many modules (``_is_cuda = is_cuda()``). On the
+  H200 it is True whatever the platform is, so those modules import their sgl_kernel names at
+  module level (layernorm, activation, sampler, triton_backend, memory_pool_host, moe, ...). The
+  device stand-in ``integration_tests/sglang/device_stubs/sgl_kernel`` makes every such import
+  load; a name called without a stand-in raises ``NotImplementedError`` naming itself.
+* ``current_platform`` (``srt/platforms``) is the platform object. ``TestCudaPlatform`` below is
+  SGLang's ``CudaDeviceMixin`` (torch.cuda memory, streams, nccl, ``device "cuda"``) marked
+  **out-of-tree**: SGLang's fused ops (``BaseFusedOp``: RMSNorm, SiluAndMul, RotaryEmbedding,
+  ClampPosition, ...) then dispatch ``forward_<dispatch key>`` = ``forward_native`` (torch) instead
+  of ``forward_cuda`` (sgl_kernel / JIT CUDA) (``kernels/fused_op.py`` ``_resolve_forward_method``
+  step 3); RotaryEmbedding does not pick its JIT fallback kernel (``rotary_embedding/base.py:122``);
+  ``capabilities`` turn Triton (allocator kernels) and decode graph capture on; the decode graph
+  runner is SGLang's own ``DecodeCudaGraphRunner`` (an OOT platform must name it:
+  ``cuda_graph_setup.py`` ``require_out_of_tree_impl``); PyNccl stays off (TP 1).
+
+What still reaches CUDA-only code on this path, and what this module does about it (all test-side,
+installed by ``activate()`` in every SGLang process; nothing in the installed sglang is modified):
+
+1. ``direct_register_custom_op`` (``srt/utils/common.py``) registers SGLang's ``sglang::`` custom
+   ops for the ``PrivateUse1`` dispatch key on an out-of-tree platform, where in-tree CUDA gets
+   ``CUDA``. Eager calls on plain CUDA tensors skip the dispatcher (``custom_op.py``
+   ``_call_directly_in_eager``), but calls under a dispatch/function mode, the profiler or
+   torch.compile go through it and would find no CUDA kernel. ``_custom_ops_on_cuda`` registers
+   them for ``CUDA`` instead (a wrapper of ``torch.library.Library.impl``, PrivateUse1 -> CUDA,
+   installed before the first registration asks the platform).
+2. ``MHATokenToKVPool.set_kv_buffer`` (SGLang's own pool, used by its ``triton`` backend; flydsl
+   writes through its own pool) calls the JIT CUDA ``store_cache`` kernel when
+   ``can_use_store_cache`` compiles it (tvm-ffi + nvcc + ninja at run time). ``_no_jit_store_cache``
+   answers False so the pool takes its torch index-put path on every machine (the image's
+   toolchain does not decide the result); ``FLYDSL_SGL_JIT=1`` keeps SGLang's choice.
+3. sgl_kernel names that are called on this path: ``sgl_kernel.utils.is_arch_support_pdl``
+   (``TritonAttnBackend.__init__``: answers False, no programmatic dependent launch) and
+   ``weak_ref_tensor`` (breakable/piecewise graphs only, which stay off): stand-ins in the device
+   stub package, documented there.
+4. ``sglang.Engine`` asserts the ``sglang-kernel`` distribution's version on CUDA:
+   ``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1`` (SGLang's own switch).
+
+CUDA graphs: decode graphs only (``disable_prefill_cuda_graph``: the default prefill backend on CUDA
+is the breakable graph, which wants ``weak_ref_tensor`` and piecewise machinery), captured by
+SGLang's ``DecodeCudaGraphRunner`` + ``FullCudaGraphBackend`` with ``torch.cuda.graph``; the layers'
+torch-native forwards and the Triton kernels (flydsl's, SGLang's triton backend) are capturable.
+
+``prepare(tmpdir)`` declares the platform (``sglang_cpu.declare_platform``) and returns the
+environment SGLang's processes need. ``FLYDSL_SGLANG_TRACE`` works as on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+from integration_tests.e2e import sglang_cpu
+
+DIST = "flydsl_backends_test_cuda_platform"
+PLATFORM_NAME = "flydsl_test_cuda"
+JIT_ENV = "FLYDSL_SGL_JIT"
+ENV = {
+    "SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK": "1",  # no sglang-kernel distribution on the device
+    "PYTHONFAULTHANDLER": "1",  # a crashing scheduler process prints its Python stack
+}
+
+
+def _platform_class():
+    import torch
+    from sglang.srt.platforms.cuda import CudaDeviceMixin
+    from sglang.srt.platforms.interface import PlatformCapabilities, PlatformEnum, SRTPlatform
+
+    class TestCudaPlatform(CudaDeviceMixin, SRTPlatform):
+        """SGLang's CUDA device operations as an out-of-tree platform: torch-native layers, Triton
+        allowed, decode CUDA graphs with SGLang's own runner; no sgl_kernel."""
+
+        _enum = PlatformEnum.OOT
+        device_name = "cuda"
+        device_type = "cuda"
+        capabilities = PlatformCapabilities(supports_triton=True, graph_capture=True)
+
+        def get_default_attention_backend(self) -> str:
+            return "triton"
+
+        def get_dispatch_key_name(self) -> str:
+            return "native"
+
+        def get_graph_runner_cls(self):
+            from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
+
+            return DecodeCudaGraphRunner
+
+        def get_group_coordinator_device(self, local_rank: int):
+            return torch.device(f"cuda:{local_rank}")
+
+    TestCudaPlatform.__qualname__ = "TestCudaPlatform"
+    TestCudaPlatform.__module__ = __name__
+    return TestCudaPlatform
+
+
+def __getattr__(name):
+    # built lazily: importing this module (the entry point) must not import sglang
+    if name == "TestCudaPlatform":
+        cls = _platform_class()
+        globals()["TestCudaPlatform"] = cls
+        return cls
+    raise AttributeError(name)
+
+
+def _custom_ops_on_cuda() -> None:
+    """Register what SGLang registers for ``PrivateUse1`` (its out-of-tree dispatch key) for
+    ``CUDA`` instead (point 1 of the module docstring). Idempotent."""
+    import torch.library
+
+    real = torch.library.Library.impl
+    if getattr(real, "_flydsl_cuda", False):
+        return
+
+    def impl(self, op_name, fn, dispatch_key="", *args, **kwargs):
+        if dispatch_key == "PrivateUse1":
+            dispatch_key = "CUDA"
+        return real(self, op_name, fn, dispatch_key, *args, **kwargs)
+
+    impl._flydsl_cuda = True
+    impl.__wrapped__ = real
+    torch.library.Library.impl = impl
+
+
+def _no_jit_store_cache() -> None:
+    """SGLang's MHA pool writes K/V with torch index-put, not the JIT CUDA ``store_cache``
+    (point 2 of the module docstring)."""
+    if os.environ.get(JIT_ENV) == "1":
+        return
+
+    def patch(memory_pool):
+        def can_use_store_cache(*args, **kwargs):
+            return False
+
+        memory_pool.can_use_store_cache = can_use_store_cache
+
+    sglang_cpu._after_import("sglang.srt.mem_cache.memory_pool", patch)
+
+
+def activate():
+    """Entry point of ``sglang.srt.platforms``: the platform's qualified name (SGLang resolves its
+    platform in every process, so the seams are installed here)."""
+    _custom_ops_on_cuda()
+    _no_jit_store_cache()
+    if os.environ.get(sglang_cpu.TRACE_ENV):
+        sglang_cpu.install_trace(os.environ[sglang_cpu.TRACE_ENV])
+    return f"{__name__}:TestCudaPlatform"
+
+
+def prepare(tmpdir, monkeypatch=None) -> dict:
+    """Declare the platform in ``tmpdir`` and return the environment of SGLang's processes (applied
+    to this process too with pytest's ``monkeypatch``; see ``sglang_cpu.declare_platform``)."""
+    return sglang_cpu.declare_platform(tmpdir, DIST, PLATFORM_NAME, f"{__name__}:activate", ENV, monkeypatch)
