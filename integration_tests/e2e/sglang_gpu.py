@@ -28,8 +28,9 @@ installed by ``activate()`` in every SGLang process; nothing in the installed sg
    ``CUDA``. Eager calls on plain CUDA tensors skip the dispatcher (``custom_op.py``
    ``_call_directly_in_eager``), but calls under a dispatch/function mode, the profiler or
    torch.compile go through it and would find no CUDA kernel. ``_custom_ops_on_cuda`` registers
-   them for ``CUDA`` instead (a wrapper of ``torch.library.Library.impl``, PrivateUse1 -> CUDA,
-   installed before the first registration asks the platform).
+   them for ``CUDA`` instead (a wrapper of ``torch.library.Library.impl``, PrivateUse1 -> CUDA for
+   the ``sglang`` library only, installed before the first registration asks the platform; torch's
+   own libraries register both keys, H200 run of 2026-12-04).
 2. ``MHATokenToKVPool.set_kv_buffer`` (SGLang's own pool, used by its ``triton`` backend; flydsl
    writes through its own pool) calls the JIT CUDA ``store_cache`` kernel when
    ``can_use_store_cache`` compiles it (tvm-ffi + nvcc + ninja at run time). ``_no_jit_store_cache``
@@ -118,7 +119,9 @@ def _custom_ops_on_cuda() -> None:
         return
 
     def impl(self, op_name, fn, dispatch_key="", *args, **kwargs):
-        if dispatch_key == "PrivateUse1":
+        # SGLang's own library only: torch itself registers CUDA and PrivateUse1 kernels side by side
+        # (torch.distributed.fsdp), and a second CUDA kernel for one op fails its import
+        if dispatch_key == "PrivateUse1" and getattr(self, "ns", None) == "sglang":
             dispatch_key = "CUDA"
         return real(self, op_name, fn, dispatch_key, *args, **kwargs)
 

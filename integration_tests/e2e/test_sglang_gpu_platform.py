@@ -47,6 +47,9 @@ def flydsl_probe_op(x: torch.Tensor) -> torch.Tensor:
 direct_register_custom_op("flydsl_probe_op", flydsl_probe_op, mutates_args=[])
 has = torch._C._dispatch_has_kernel_for_dispatch_key
 assert has("sglang::flydsl_probe_op", "CUDA") and not has("sglang::flydsl_probe_op", "PrivateUse1")
+# other libraries keep their keys: torch's FSDP registers CUDA and PrivateUse1 kernels side by side
+import torch.distributed.fsdp  # noqa: F401  (failed on the H200 while every PrivateUse1 became CUDA)
+assert has("fsdp::all_gather_copy_in", "PrivateUse1") and has("fsdp::all_gather_copy_in", "CUDA")
 
 import sglang.srt.mem_cache.memory_pool as mp
 assert mp.can_use_store_cache(256, 256) is False
