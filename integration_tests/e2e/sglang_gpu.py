@@ -42,6 +42,9 @@ installed by ``activate()`` in every SGLang process; nothing in the installed sg
    stub package, documented there.
 4. ``sglang.Engine`` asserts the ``sglang-kernel`` distribution's version on CUDA:
    ``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1`` (SGLang's own switch).
+5. ``DualGemm`` (``srt/layers/dual_gemm.py``, the Llama MLP) asks torch's ``is_cuda()`` and then
+   imports its CuTe-DSL kernel (``cutlass``, not in the image): ``_no_cutedsl_dual_gemm`` makes it
+   select no fused mode there.
 
 CUDA graphs: decode graphs only (``disable_prefill_cuda_graph``: the default prefill backend on CUDA
 is the breakable graph, which wants ``weak_ref_tensor`` and piecewise machinery), captured by
@@ -145,11 +148,24 @@ def _no_jit_store_cache() -> None:
     sglang_cpu._after_import("sglang.srt.mem_cache.memory_pool", patch)
 
 
+def _no_cutedsl_dual_gemm() -> None:
+    """SGLang's ``DualGemm`` (the fused gate/up projection of its Llama MLP) picks a CuTe-DSL kernel
+    whenever torch reports CUDA, importing ``cutlass`` while the model is built (H200 run of 2026-12-04:
+    ``ModuleNotFoundError: cutlass``); on this platform it selects no mode, i.e. the plain
+    gate_up / down projections (point 5 of the module docstring)."""
+
+    def patch(dual_gemm):
+        dual_gemm.is_cuda = lambda: False
+
+    sglang_cpu._after_import("sglang.srt.layers.dual_gemm", patch)
+
+
 def activate():
     """Entry point of ``sglang.srt.platforms``: the platform's qualified name (SGLang resolves its
     platform in every process, so the seams are installed here)."""
     _custom_ops_on_cuda()
     _no_jit_store_cache()
+    _no_cutedsl_dual_gemm()
     if os.environ.get(sglang_cpu.TRACE_ENV):
         sglang_cpu.install_trace(os.environ[sglang_cpu.TRACE_ENV])
     return f"{__name__}:TestCudaPlatform"

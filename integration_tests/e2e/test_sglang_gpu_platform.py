@@ -51,6 +51,9 @@ assert has("sglang::flydsl_probe_op", "CUDA") and not has("sglang::flydsl_probe_
 import torch.distributed.fsdp  # noqa: F401  (failed on the H200 while every PrivateUse1 became CUDA)
 assert has("fsdp::all_gather_copy_in", "PrivateUse1") and has("fsdp::all_gather_copy_in", "CUDA")
 
+import sglang.srt.layers.dual_gemm as dg
+assert dg.is_cuda() is False  # no CuTe-DSL dual GEMM (cutlass) on this platform
+
 import sglang.srt.mem_cache.memory_pool as mp
 assert mp.can_use_store_cache(256, 256) is False
 
