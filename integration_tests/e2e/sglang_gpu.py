@@ -160,12 +160,51 @@ def _no_cutedsl_dual_gemm() -> None:
     sglang_cpu._after_import("sglang.srt.layers.dual_gemm", patch)
 
 
+PROFILE_ENV = "FLYDSL_SGL_PROFILE"
+
+
+def _profile_steps(path: str, first: int = 200, count: int = 400) -> None:
+    """Diagnosis only (``FLYDSL_SGL_PROFILE=DIR``): cProfile of the scheduler's model steps
+    ``first .. first + count`` (``TpModelWorker.forward_batch_generation``), written to
+    ``DIR/steps_<pid>.txt`` (sorted by own time, then by cumulative time)."""
+    import cProfile
+    import io
+    import pstats
+
+    def patch(tp_worker):
+        cls = tp_worker.TpModelWorker
+        real = cls.forward_batch_generation
+        state = {"n": 0, "prof": cProfile.Profile()}
+
+        def forward_batch_generation(self, *args, **kwargs):
+            n = state["n"] = state["n"] + 1
+            if n == first:
+                state["prof"].enable()
+            try:
+                return real(self, *args, **kwargs)
+            finally:
+                if n == first + count:
+                    state["prof"].disable()
+                    out = io.StringIO()
+                    for key in ("tottime", "cumtime"):
+                        pstats.Stats(state["prof"], stream=out).sort_stats(key).print_stats(45)
+                    os.makedirs(path, exist_ok=True)
+                    with open(os.path.join(path, f"steps_{os.getpid()}.txt"), "w") as f:
+                        f.write(f"steps {first}..{first + count}\n" + out.getvalue())
+
+        cls.forward_batch_generation = forward_batch_generation
+
+    sglang_cpu._after_import("sglang.srt.managers.tp_worker", patch)
+
+
 def activate():
     """Entry point of ``sglang.srt.platforms``: the platform's qualified name (SGLang resolves its
     platform in every process, so the seams are installed here)."""
     _custom_ops_on_cuda()
     _no_jit_store_cache()
     _no_cutedsl_dual_gemm()
+    if os.environ.get(PROFILE_ENV):
+        _profile_steps(os.environ[PROFILE_ENV])
     if os.environ.get(sglang_cpu.TRACE_ENV):
         sglang_cpu.install_trace(os.environ[sglang_cpu.TRACE_ENV])
     return f"{__name__}:TestCudaPlatform"
