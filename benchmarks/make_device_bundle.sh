@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Build what a device call carries in .whl/ (git-ignored) for benchmarks/device_run.sh:
 #   bash benchmarks/make_device_bundle.sh vllm [VENV]      (VENV: default /work/venv-vllm)
-#   bash benchmarks/make_device_bundle.sh sglang [VENV]    (VENV: default /work/venv-sgl; needs the vllm bundle too)
+#   bash benchmarks/make_device_bundle.sh sglang [VENV]    (VENV: default /work/venv-sgl, a venv built by
+#                                                           integration_tests/setup-cpu-env.sh sglang; needs the vllm
+#                                                           bundle too)
 # vllm:
 # * .whl/vllm/vllm-<version>-py.tar.gz: vLLM's Python tree (the `vllm` package and its dist-info, which
 #   platform detection reads) from a CPU venv where vllm was installed with --no-deps
@@ -41,14 +43,23 @@ download() {  # pinned wheels for CPython 3.12 x86_64 into $dest
     --platform any -d "$dest" "$@"
 }
 pins() {  # name==version of each distribution as installed in the venv
-  "$py" -c 'import importlib.metadata as m, sys; print(" ".join(f"{d}=={m.version(d)}" for d in sys.argv[1:]))' "$@"
+  "$py" - "$venv" "$@" <<'PY'
+import importlib.metadata as m, sys
+venv, names = sys.argv[1], sys.argv[2:]
+missing = [d for d in names if not any(True for _ in m.distributions(name=d))]
+if missing:
+    sys.exit(f"{venv} lacks {', '.join(missing)}: build it with integration_tests/setup-cpu-env.sh (sglang or vllm) "
+             "and pass it as VENV")
+print(" ".join(f"{d}=={m.version(d)}" for d in names))
+PY
 }
 
 if [ "$what" = sglang ]; then
   tar czf "$dest/sglang-$version-py.tar.gz" -C "$site" --exclude='*.so' --exclude='__pycache__' --exclude='*.pyc' \
     sglang "sglang-$version.dist-info"
-  # shellcheck disable=SC2046
-  download $(pins gguf traitlets opentelemetry-api dill uvicorn ipython setproctitle python-multipart)
+  wheels=$(pins gguf traitlets opentelemetry-api dill uvicorn ipython setproctitle python-multipart)  # exits if one is missing
+  # shellcheck disable=SC2086
+  download $wheels
   du -cb "$dest"/* | awk 'END {printf "bundle .whl/extra: %.1f MiB\n", $1 / 1048576}'
   exit 0
 fi
@@ -63,8 +74,9 @@ tar czf "$dest/vllm-$version-py.tar.gz" -C "$site" \
 deps=(annotated-types apache-tvm-ffi cachetools cbor2 compressed-tensors fastapi httpcore2 httpx2 llguidance
       loguru msgspec openai openai-harmony orjson partial-json-parser pybase64 pydantic pydantic-core pyzmq
       sniffio starlette truststore typing-inspection xgrammar typing-extensions jiter)
-# shellcheck disable=SC2046
-download $(pins "${deps[@]}")
+wheels=$(pins "${deps[@]}")  # exits if one is missing
+# shellcheck disable=SC2086
+download $wheels
 
 echo "bundle $dest:"
 ls -l "$dest" | awk 'NR > 1 {printf "  %8.1f KiB  %s\n", $5 / 1024, $9}'
