@@ -34,6 +34,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from backend_core.lazy import LazyClasses
+
 ROOT = Path(__file__).resolve().parents[2]
 DIST = "flydsl_backends_test_cpu_platform"
 PLATFORM_NAME = "flydsl_test_cpu"
@@ -72,19 +74,12 @@ def _platform_class():
         def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
             return DRAFT_BACKEND
 
-    TestCpuPlatform.__qualname__ = "TestCpuPlatform"
-    TestCpuPlatform.__module__ = __name__
     return TestCpuPlatform
 
 
-def __getattr__(name):
-    # the class is built lazily (importing this module must not import sglang: the entry point is
-    # loaded by SGLang's platform discovery, which is already running)
-    if name == "TestCpuPlatform":
-        cls = _platform_class()
-        globals()["TestCpuPlatform"] = cls
-        return cls
-    raise AttributeError(name)
+# built lazily (LazyClasses: the qualified name and module set): importing this module, the platform's entry
+# point, must not import sglang (SGLang's platform discovery is already running)
+__getattr__ = LazyClasses(__name__, {"TestCpuPlatform": _platform_class}).module_getattr
 
 
 TRACE_ENV = "FLYDSL_SGLANG_TRACE"

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import os
 
+from backend_core.lazy import LazyClasses
 from integration_tests.e2e import sglang_cpu
 
 DIST = "flydsl_backends_test_cuda_platform"
@@ -98,18 +99,12 @@ def _platform_class():
         def get_group_coordinator_device(self, local_rank: int):
             return torch.device(f"cuda:{local_rank}")
 
-    TestCudaPlatform.__qualname__ = "TestCudaPlatform"
-    TestCudaPlatform.__module__ = __name__
     return TestCudaPlatform
 
 
-def __getattr__(name):
-    # built lazily: importing this module (the entry point) must not import sglang
-    if name == "TestCudaPlatform":
-        cls = _platform_class()
-        globals()["TestCudaPlatform"] = cls
-        return cls
-    raise AttributeError(name)
+# built lazily (LazyClasses: the qualified name and module set): importing this module, the platform's entry
+# point, must not import sglang (SGLang's platform discovery is already running)
+__getattr__ = LazyClasses(__name__, {"TestCudaPlatform": _platform_class}).module_getattr
 
 
 def _custom_ops_on_cuda() -> None:
