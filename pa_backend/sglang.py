@@ -161,6 +161,10 @@ def _build_backend_class():
             self.max_blocks = -(-self.max_context_len // P)
             self._page_starts = torch.arange(0, self.max_blocks * P, P, dtype=torch.long, device=self.device)
             self._one = torch.ones((), dtype=torch.float32, device=self.device)
+            # eager decode / verify batches write their tables here (grow-only): the same addresses step after
+            # step, so the layers' memoized argument checks keep hitting (a fresh tensor per step missed them)
+            self._eager_block_tables = None
+            self._eager_context_lens = None
             self.cuda_graph_block_tables = None
             self.cuda_graph_context_lens = None
             self.cuda_graph_max_bs = 0
@@ -289,18 +293,17 @@ def _build_backend_class():
                 return
             self._reject_spec(mode)
             bs = int(forward_batch.batch_size)
-            bt = self._block_table(forward_batch.req_pool_indices[:bs])
-            cl = forward_batch.seq_lens[:bs].to(torch.int32)
-            qsl = None
             max_context = self._max_context(forward_batch, bs)
             if mode.is_target_verify():
                 n = self._verify_tokens(forward_batch.spec_info, int(forward_batch.out_cache_loc.shape[0]) // max(bs, 1))
-                md = FlyDSLForwardMetadata(bt, cl + n, None, n)
+                md = FlyDSLForwardMetadata(*self._eager_tables(forward_batch, bs, n), None, n)
                 md.plan = plan_decode(md.block_tables, md.context_lens, query_length=n,
                                       max_context=None if max_context is None else max_context + n)
                 self.forward_metadata = md
                 return
             if not mode.is_decode():
+                bt = self._block_table(forward_batch.req_pool_indices[:bs])
+                cl = forward_batch.seq_lens[:bs].to(torch.int32)
                 lens = getattr(forward_batch, "extend_seq_lens", None)
                 lens_cpu = getattr(forward_batch, "extend_seq_lens_cpu", None)
                 if lens is None:  # a decode batch relabelled as a 1-token extend (DP padding)
@@ -317,9 +320,21 @@ def _build_backend_class():
                 md = FlyDSLForwardMetadata(bt, cl, qsl)
                 md.plan = plan_prefill(bt, qsl, cl, query_start_loc_host=qsl_host, max_context=max_context)
             else:
-                md = FlyDSLForwardMetadata(bt, cl, None)
-                md.plan = plan_decode(bt, cl, max_context=max_context)
+                md = FlyDSLForwardMetadata(*self._eager_tables(forward_batch, bs, 0), None)
+                md.plan = plan_decode(md.block_tables, md.context_lens, max_context=max_context)
             self.forward_metadata = md
+
+        def _eager_tables(self, forward_batch, bs: int, extra: int):
+            """(block tables, context lengths + ``extra``) of an eager decode / verify batch, written into the
+            persistent eager buffers (their first ``bs`` rows)."""
+            if self._eager_block_tables is None or self._eager_block_tables.shape[0] < bs:
+                rows = max(bs, 1)
+                self._eager_block_tables = torch.zeros((rows, self.max_blocks), dtype=torch.int32, device=self.device)
+                self._eager_context_lens = torch.zeros((rows,), dtype=torch.int32, device=self.device)
+            bt, cl = self._eager_block_tables[:bs], self._eager_context_lens[:bs]
+            bt.copy_(self._block_table(forward_batch.req_pool_indices[:bs]))
+            torch.add(forward_batch.seq_lens[:bs], extra, out=cl)
+            return bt, cl
 
         @staticmethod
         def _max_context(forward_batch, bs: int):
@@ -404,21 +419,20 @@ def _build_backend_class():
                     self.token_to_kv_pool.get_value_buffer(layer.layer_id))
 
         def _prologue(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs):
-            """Shared by decode and extend: layer arguments, the K/V write, caches, [T, Hq, D] query
-            view and a fresh output."""
+            """Shared by decode and extend: layer arguments, the K/V write, caches and the [T, Hq, D]
+            query view. The output is the plan's own fresh tensor (``out=None``: an output argument
+            would enter the per-layer check memo with a new address at almost every call)."""
             sliding_window, sinks, ks, vs = self._layer_args(layer, kwargs)
             self._save_kv(layer, forward_batch, k, v, save_kv_cache)
             kc, vc = self._caches(layer)
-            H, D = layer.tp_q_head_num, layer.qk_head_dim
-            q3 = q.reshape(-1, H, D)
-            o = torch.empty((q3.shape[0], H, layer.v_head_dim), dtype=q3.dtype, device=q3.device)
-            return sliding_window, sinks, ks, vs, kc, vc, q3, o, self.forward_metadata
+            q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+            return sliding_window, sinks, ks, vs, kc, vc, q3, self.forward_metadata
 
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-            sliding_window, sinks, ks, vs, kc, vc, q3, o, md = self._prologue(q, k, v, layer, forward_batch,
-                                                                              save_kv_cache, kwargs)
-            md.plan.run(q3, kc, vc, ks, vs, softmax_scale=layer.scaling, sliding_window=sliding_window, sinks=sinks,
-                        out=o, backend=self.pa_impl)
+            sliding_window, sinks, ks, vs, kc, vc, q3, md = self._prologue(q, k, v, layer, forward_batch,
+                                                                           save_kv_cache, kwargs)
+            o = md.plan.run(q3, kc, vc, ks, vs, softmax_scale=layer.scaling, sliding_window=sliding_window,
+                            sinks=sinks, backend=self.pa_impl)
             return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
@@ -426,12 +440,12 @@ def _build_backend_class():
             self._reject_spec(mode)
             if mode.is_target_verify():  # draft tokens: query_length rows per request, on the decode kernel
                 return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-            sliding_window, sinks, ks, vs, kc, vc, q3, o, md = self._prologue(q, k, v, layer, forward_batch,
-                                                                              save_kv_cache, kwargs)
+            sliding_window, sinks, ks, vs, kc, vc, q3, md = self._prologue(q, k, v, layer, forward_batch,
+                                                                           save_kv_cache, kwargs)
             if md.query_start_loc is None:  # a decode-shaped metadata relabelled as a 1-token extend
                 raise RuntimeError("flydsl attention backend: extend forward without extend metadata")
-            md.plan.run(q3, kc, vc, ks, vs, softmax_scale=layer.scaling, sliding_window=sliding_window, sinks=sinks,
-                        out=o, backend=self.pa_impl)
+            o = md.plan.run(q3, kc, vc, ks, vs, softmax_scale=layer.scaling, sliding_window=sliding_window,
+                            sinks=sinks, backend=self.pa_impl)
             return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     return FlyDSLAttnBackend
