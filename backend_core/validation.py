@@ -260,10 +260,11 @@ def arg_key(x):
 class CheckMemo:
     """A bounded LRU memo of argument checks. A server calls an op with the same buffers, shapes and
     strides step after step, so each distinct argument set is checked in full once and later calls only
-    rebuild the problem around the caller's tensors. Keys (``key(*parts)``, parts built with
-    ``arg_key``) must hold everything the checks read; a call that fails its checks is never stored;
-    only derived numbers are kept, never tensors (a server that frees its buffers gets the memory back).
-    Meta tensors share addresses (0): never stored."""
+    rebuild the problem around the caller's tensors. Keys (tuples of ``arg_key`` parts) must hold
+    everything the checks read; a key that cannot be hashed (an unhashable argument) is never stored,
+    so the full checks run and reject it; a call that fails its checks is never stored; only derived
+    numbers are kept, never tensors (a server that frees its buffers gets the memory back). Meta
+    tensors share addresses (0): never stored."""
 
     def __init__(self, size: int = 4096):
         self._items: "OrderedDict[tuple, tuple]" = OrderedDict()
@@ -272,21 +273,12 @@ class CheckMemo:
     def __len__(self) -> int:
         return len(self._items)
 
-    @staticmethod
-    def key(*parts):
-        """A hashable key of ``parts``, or None when one cannot be one (an unhashable argument: the full
-        checks then run, and reject it)."""
+    def get(self, key: tuple):
+        """The stored facts of ``key`` (None: not checked yet, or not memoizable)."""
         try:
-            hash(parts)
-        except TypeError:
+            hit = self._items.get(key)
+        except TypeError:  # an unhashable argument
             return None
-        return parts
-
-    def get(self, key):
-        """The stored facts of ``key`` (None: not checked yet, or ``key`` is None: not memoizable)."""
-        if key is None:
-            return None
-        hit = self._items.get(key)
         if hit is not None:
             try:
                 self._items.move_to_end(key)
@@ -294,10 +286,13 @@ class CheckMemo:
                 pass
         return hit
 
-    def put(self, key, device: torch.device, facts: tuple) -> None:
-        if key is None or device.type == "meta":
+    def put(self, key: tuple, device: torch.device, facts: tuple) -> None:
+        if device.type == "meta":
             return
-        self._items[key] = facts
+        try:
+            self._items[key] = facts
+        except TypeError:  # an unhashable argument (its call was checked in full)
+            return
         while len(self._items) > self.size:
             try:
                 self._items.popitem(last=False)

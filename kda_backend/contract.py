@@ -288,7 +288,7 @@ def prepare(
     full once and later ones only rebuild the problem around the caller's tensors."""
     args = (x, conv_weight, conv_state, a, b, A_log, dt_bias, state, state_indices, output_gate, norm_weight,
             conv_bias, lower_bound, norm_eps, scale, out, f_a, f_b_weight)
-    key = CheckMemo.key(bool(with_f_b), *(arg_key(v) for v in args))
+    key = (bool(with_f_b), *(arg_key(v) for v in args))
     hit = _CALL_MEMO.get(key)
     if hit is None:
         problem = _prepare(*args, with_f_b=with_f_b)

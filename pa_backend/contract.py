@@ -243,8 +243,7 @@ _CALL_MEMO = CheckMemo(4096)  # (layers x distinct activation buffers, and each 
 def checked_cache(key_cache, value_cache, key_scale, value_scale, device, anchor: str) -> KVCache:
     """``_check_cache`` memoized on what it reads, so the layers of a model are checked once per
     process, not per call."""
-    key = CheckMemo.key("cache", device, arg_key(key_cache), arg_key(value_cache), arg_key(key_scale),
-                    arg_key(value_scale))
+    key = ("cache", device, arg_key(key_cache), arg_key(value_cache), arg_key(key_scale), arg_key(value_scale))
     hit = _CALL_MEMO.get(key)
     if hit is not None:
         return _cache_from_facts(key_cache, value_cache, key_scale, value_scale, hit)
@@ -269,9 +268,9 @@ def check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, val
                 sliding_window=0, sinks=None, num_partitions=None, out=None, anchor: str = "query") -> PAProblem:
     """Validate one layer's arguments against a checked batch: cheap (shapes, dtypes; the checks are
     memoized on what they read, so a server's layers are checked in full once). Nothing is written."""
-    key = CheckMemo.key("layer", anchor, batch.memo_key(), arg_key(query), arg_key(key_cache), arg_key(value_cache),
-                    arg_key(key_scale), arg_key(value_scale), arg_key(softmax_scale), arg_key(sliding_window),
-                    arg_key(sinks), arg_key(num_partitions), arg_key(out))
+    key = ("layer", anchor, batch.memo_key(), arg_key(query), arg_key(key_cache), arg_key(value_cache),
+           arg_key(key_scale), arg_key(value_scale), arg_key(softmax_scale), arg_key(sliding_window), arg_key(sinks),
+           arg_key(num_partitions), arg_key(out))
     hit = _CALL_MEMO.get(key)
     if hit is not None:
         facts, Hq, softmax_scale, sliding_window = hit
@@ -387,8 +386,8 @@ def check_query_start_loc(values: Sequence[int], num_seqs: int, num_rows: Option
 
 def prepare_write(*, key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale) -> WriteProblem:
     """Validate a write_kv call (memoized on what the checks read, as ``check_layer``). Nothing is written."""
-    memo = CheckMemo.key("write", arg_key(key), arg_key(value), arg_key(key_cache), arg_key(value_cache),
-                     arg_key(slot_mapping), arg_key(key_scale), arg_key(value_scale))
+    memo = ("write", arg_key(key), arg_key(value), arg_key(key_cache), arg_key(value_cache), arg_key(slot_mapping),
+            arg_key(key_scale), arg_key(value_scale))
     hit = _CALL_MEMO.get(memo)
     if hit is not None:
         return WriteProblem(key=key, value=value, slot_mapping=slot_mapping,

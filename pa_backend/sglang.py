@@ -331,7 +331,12 @@ def _build_backend_class():
                 rows = max(bs, 1)
                 self._eager_block_tables = torch.zeros((rows, self.max_blocks), dtype=torch.int32, device=self.device)
                 self._eager_context_lens = torch.zeros((rows,), dtype=torch.int32, device=self.device)
-            bt, cl = self._eager_block_tables[:bs], self._eager_context_lens[:bs]
+            return self._fill_tables(self._eager_block_tables, self._eager_context_lens, forward_batch, bs, extra)
+
+        def _fill_tables(self, block_tables, context_lens, forward_batch, bs: int, extra: int):
+            """The first ``bs`` rows of the persistent ``block_tables`` / ``context_lens`` filled in place
+            (seq_lens + ``extra``: the draft tokens of a verify batch); returns those views."""
+            bt, cl = block_tables[:bs], context_lens[:bs]
             bt.copy_(self._block_table(forward_batch.req_pool_indices[:bs]))
             torch.add(forward_batch.seq_lens[:bs], extra, out=cl)
             return bt, cl
@@ -376,11 +381,9 @@ def _build_backend_class():
             bs = int(forward_batch.batch_size)
             n = self._verify_tokens(getattr(forward_batch, "spec_info", None), self.cuda_graph_query_length) \
                 if verify else 1
-            bt = self.cuda_graph_block_tables[:bs]
-            cl = self.cuda_graph_context_lens[:bs]
-            bt.copy_(self._block_table(forward_batch.req_pool_indices[:bs]))
             # decode seq_lens include the new token; verify seq_lens exclude the n drafts
-            torch.add(forward_batch.seq_lens[:bs], n if verify else 0, out=cl)
+            bt, cl = self._fill_tables(self.cuda_graph_block_tables, self.cuda_graph_context_lens, forward_batch, bs,
+                                       n if verify else 0)
             # shape-only plan over the static buffers: the captured kernels split the replayed contexts
             self.forward_metadata = FlyDSLForwardMetadata(bt, cl, None, n, plan_decode(bt, cl, query_length=n))
 

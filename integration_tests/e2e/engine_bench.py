@@ -87,15 +87,20 @@ def settings(cpu: bool) -> Settings:
     engines = [(b, "eager", 1024, True) for b in ("FLYDSL", "TRITON_ATTN")]
     engines += [(b, "graphs", n, False) for n in (1024, 131072) for b in ("FLYDSL", "TRITON_ATTN")]
     engines += [(b, "compiled", 1024, True) for b in ("FLYDSL", "TRITON_ATTN")]
-    pick = os.environ.get("ENGINE_BENCH_ENGINES", "").strip()
-    if pick:  # a subset, e.g. "FLYDSL:compiled:1024,TRITON_ATTN:compiled:1024" (accuracy only for eager / compiled)
-        engines = []
-        for item in pick.split(","):
-            backend, mode, max_len = item.split(":")
-            engines.append((backend, mode, int(max_len), mode != "graphs"))
+    # a subset, e.g. "FLYDSL:compiled:1024,TRITON_ATTN:compiled:1024" (accuracy only for eager / compiled)
+    engines = engines_from_env("ENGINE_BENCH_ENGINES", engines, lambda mode, length: mode != "graphs")
     return Settings(cpu=False, acc_prompts=16, acc_tokens=64, batches=(16, 64), out_tokens=128, kv_bytes=4 << 30,
                     engines=engines, capture_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64), repeats=5,
                     extra={"gpu_memory_utilization": 0.5})
+
+
+def engines_from_env(var: str, default: list, accuracy) -> list:
+    """The engines named in ``$var`` ("BACKEND:MODE:LENGTH,...", a backend name may itself hold ':'), each
+    with ``accuracy(mode, length)``; ``default`` when it is unset."""
+    pick = os.environ.get(var, "").strip()
+    if not pick:
+        return default
+    return [(b, m, int(n), accuracy(m, int(n))) for b, m, n in (item.rsplit(":", 2) for item in pick.split(","))]
 
 
 def log(msg: str) -> None:
@@ -380,9 +385,8 @@ class KimiBench(Bench):
 
         from integration_tests.e2e import vllm_kimi
 
-        if not getattr(self, "_counting", False):
+        if self.calls is None:  # the first engine: start counting
             self.count_calls()
-            self._counting = True
         self.calls = []
         kw = vllm_kimi.engine_kwargs_gpu(mode, capture_sizes=self.s.capture_sizes)
         llm = LLM(model=str(self.model_dir), skip_tokenizer_init=True, dtype="bfloat16", seed=0,
@@ -447,9 +451,7 @@ class KimiBench(Bench):
 
 def kimi_settings(cpu: bool = False) -> Settings:
     engines = [(b, m, 2048, True) for m in ("eager", "graphs") for b in ("KDA:vllm", "KDA:flydsl")]
-    pick = os.environ.get("ENGINE_BENCH_ENGINES", "").strip()
-    if pick:
-        engines = [(b, m, int(n), True) for b, m, n in (item.rsplit(":", 2) for item in pick.split(","))]
+    engines = engines_from_env("ENGINE_BENCH_ENGINES", engines, lambda mode, length: True)
     return Settings(cpu=False, acc_prompts=16, acc_tokens=64, batches=(16, 64), out_tokens=128, kv_bytes=2 << 30,
                     engines=engines, capture_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64), repeats=5,
                     extra={"gpu_memory_utilization": 0.5})

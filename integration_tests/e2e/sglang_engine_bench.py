@@ -63,12 +63,8 @@ def settings(cpu: bool) -> eb.Settings:
     engines = [(b, "eager", 1024, True) for b in ("flydsl", "triton")]
     engines += [(b, "graphs", n, False) for n in (1024, 131072) for b in ("flydsl", "triton")]
     engines += [(b, "eager", 131072, False) for b in ("flydsl", "triton")]
-    pick = os.environ.get("SGLANG_BENCH_ENGINES", "").strip()
-    if pick:  # a subset, e.g. "flydsl:graphs:1024,triton:graphs:1024"
-        engines = []
-        for item in pick.split(","):
-            backend, mode, ctx = item.split(":")
-            engines.append((backend, mode, int(ctx), mode == "eager" and int(ctx) == 1024))
+    # a subset, e.g. "flydsl:graphs:1024,triton:graphs:1024"
+    engines = eb.engines_from_env("SGLANG_BENCH_ENGINES", engines, lambda mode, ctx: mode == "eager" and ctx == 1024)
     return eb.Settings(cpu=False, acc_prompts=16, acc_tokens=64, batches=(16, 64), out_tokens=128, kv_bytes=0,
                        engines=engines, capture_sizes=tuple(CAPTURE_BS), repeats=3,
                        extra={"max_total_tokens": MAX_TOTAL_TOKENS})
