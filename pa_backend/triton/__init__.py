@@ -235,6 +235,7 @@ class _Launch:
         self.resident_key = (p.device, self.D, self.BM, self.bt, self.warps, self.stages, c.v_transposed,
                              c.k_per_token, c.v_per_token, not p.is_decode, register_cap(self.warps))
         self.v_maxnum = _v_maxnum(p.device)
+        self.mma8 = mma8_mode(p.device, c, self.BM)
         # per-SM program counters (NVIDIA: %smid): a power of two >= the SM count
         self.sm_slots = min(1 << (self.sms - 1).bit_length(), QUEUE_SM_SLOTS) if self.v_maxnum else 0
         cap = register_cap(self.warps) if self.v_maxnum and self.queue_mode else None  # NVIDIA, the queue loop
@@ -297,6 +298,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
         V_MAXNUM=L.v_maxnum, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots, DIRECT=L.direct,
         HAS_SINKS=L.direct and p.sinks is not None,  # read only by a direct launch (no second compile otherwise)
+        MMA8=L.mma8 if L.mma8 and _aligned16(kc, vc) else 0,
         num_warps=L.warps, num_stages=L.stages, **L.launch_options,
     )
     if L.queue_mode and L.resident_key not in _RESIDENT:
@@ -319,6 +321,30 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
             L.queue.zero_()
         raise
     return p.out
+
+
+def mma8_mode(device: torch.device, cache, BM: int) -> int:
+    """Which dots of the partition kernel run on FP8 tensor cores with hi / lo splits (pa_decode.py,
+    _split_fp8): 0 none (FP16 dots, K and V widened in registers), 1 Q.K (the BF16 query exactly as
+    hi + lo / 16), 2 Q.K and P.V (P with 8 significant bits). NVIDIA sm_89+ with e4m3fn caches only.
+    FLYDSL_BACKENDS_PA_MMA8 overrides the default (tuning)."""
+    mode = 0
+    raw = os.environ.get("FLYDSL_BACKENDS_PA_MMA8", "").strip()
+    if raw:
+        if raw not in ("0", "1", "2", "3"):
+            raise ValueError(f"FLYDSL_BACKENDS_PA_MMA8={raw!r}: expected 0, 1, 2 or 3")
+        mode = int(raw)
+    if not mode or BM < 64 or cache.key_cache.dtype != torch.float8_e4m3fn or not _v_maxnum(device):
+        return 0
+    if torch.cuda.get_device_capability(device) < (8, 9):
+        return 0
+    return mode
+
+
+def _aligned16(*caches: torch.Tensor) -> bool:
+    """Every stride but the unit one and the base address a multiple of 16 bytes: the FP8 dots' 2-D tile
+    loads declare 16-byte runs the compiler cannot derive through the gathered block ids."""
+    return all(t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride()[:-1]) for t in caches)
 
 
 def _v_maxnum(device: torch.device) -> bool:

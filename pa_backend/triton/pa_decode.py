@@ -104,15 +104,24 @@ def _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, 
 
 
 @triton.jit
+def _split_fp8(x):
+    """(hi, lo) FP8 e4m3 with x == hi + lo / 16: exact for x with 8 significant bits (BF16) in [2^-6, 448)
+    whose residual stays normal, within 2^-9 relative otherwise (FP32 x)."""
+    hi = x.to(tl.float8e4nv)
+    lo = ((x - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+    return hi, lo
+
+
+@triton.jit
 def _attend_tile(
-    b_m, b_l, b_acc, b_q, row_scale, last, first, m_valid, tile_start, end,
+    b_m, b_l, b_acc, b_q, b_q_lo, row_scale, last, first, m_valid, tile_start, end,
     p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
     stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
     D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_MAXNUM: tl.constexpr,
-    MASKED: tl.constexpr,
+    MASKED: tl.constexpr, MMA8: tl.constexpr,
 ):
     """One tile of BT tokens from ``tile_start``: gather K/V from the paged cache, S = Q K^T, the
     online-softmax update and acc += P V. MASKED=0 is the steady state: every token of the tile is
@@ -122,60 +131,103 @@ def _attend_tile(
     o_d = tl.arange(0, D)
     o_t = tl.arange(0, BT)
     TB: tl.constexpr = BT if BT < BS else BS
-    NT: tl.constexpr = BT // TB
-    o_nt = tl.arange(0, NT)
-    o_tb = tl.arange(0, TB)
-    o_tb16 = tl.arange(0, TB // 16)
-    o_c = tl.arange(0, D // 16)
-    o_16 = tl.arange(0, 16)
-    # NT pieces of TB tokens, each contiguous inside one block; offsets are built with the contiguous
-    # axis last (an arange) so loads vectorize to 16 bytes, then merged to [BT, D]
-    blk_idx = tile_start // BS + o_nt  # [NT] table columns
-    if BT >= BS:  # whole blocks: the first token of every piece is the block's first
-        t0 = 0
-    else:  # a block split into BS / BT tiles (tile_start is a multiple of BT)
-        t0 = tl.multiple_of(tile_start % BS, TB)
-    t_p = t0 + o_tb  # [TB] token offsets inside the block
-    # table entries are read only for pieces inside the context (stale ids past a sequence's extent
-    # are never dereferenced); loads are masked per piece, so the mask is constant along the
-    # contiguous axis and the loads still vectorize
-    live_pc = (tile_start + o_nt * TB) < end  # [NT]
-    if MASKED:
-        b = tl.load(p_bt + seq * stride_bt_s + blk_idx, mask=live_pc, other=0).to(tl.int64)
-    else:
-        b = tl.load(p_bt + seq * stride_bt_s + blk_idx).to(tl.int64)
-    # a block id outside the cache (a corrupted table: the reference raises ValueError) reads block 0
-    # instead: the result is meaningless but no load leaves the caches
-    b = tl.where((b >= 0) & (b < num_blocks), b, 0)
-    # K [NT, TB, D/16, 16] from key_cache[b, h, c, t, 16]
-    p_k = p_kc + i_h * stride_kc_h + b[:, None, None, None] * stride_kc_b \
-        + t_p[None, :, None, None] * stride_kc_t + o_c[None, None, :, None] * stride_kc_c + o_16[None, None, None, :]
-    if V5D:  # value_cache[b, h, t // 16, d, t % 16] as [D, NT, TB/16, 16]
-        p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None, None] * stride_vc_3 \
-            + b[None, :, None, None] * stride_vc_b + (t0 // 16 + o_tb16)[None, None, :, None] * stride_vc_2 \
-            + o_16[None, None, None, :]
-    else:  # value_cache[b, h, d, t] as [D, NT, TB]
-        p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None] * stride_vc_2 + b[None, :, None] * stride_vc_b \
-            + t_p[None, None, :] * stride_vc_3
-    # with per-token scales and D <= 128 the K/V loads stay masked in both loops too (sm_90: 96
-    # registers, 5 programs/SM, instead of 104 and 4; at D = 256 the masked form spills)
-    if MASKED or ((K_PER_TOKEN or V_PER_TOKEN) and D <= 128):
-        b_k = tl.load(p_k, mask=live_pc[:, None, None, None], other=0.0)
-        if V5D:
-            b_v = tl.load(p_v, mask=live_pc[None, :, None, None], other=0.0)
+    if MMA8:
+        # 2-D tiles straight into the FP8 dots' shared memory (no register round trip): K [BT, D] with a
+        # per-token row (16-byte chunks along D), V^T [D, BT] with tokens contiguous in runs of 16 inside a
+        # block (the hint the compiler cannot derive through the gathered block id: every block holds a
+        # multiple of 16 tokens, tiles start at multiples of 16, the host checks the strides)
+        NT8: tl.constexpr = BT // TB
+        o_nt8 = tl.arange(0, NT8)
+        tok = tile_start + o_t
+        live_tp = (tile_start + (o_t // TB) * TB) < end  # per piece of TB tokens (one block)
+        if MASKED:
+            bt_ = tl.load(p_bt + seq * stride_bt_s + tile_start // BS + o_nt8, mask=(tile_start + o_nt8 * TB) < end,
+                          other=0).to(tl.int64)
         else:
-            b_v = tl.load(p_v, mask=live_pc[None, :, None], other=0.0)
+            bt_ = tl.load(p_bt + seq * stride_bt_s + tile_start // BS + o_nt8).to(tl.int64)
+        bt_ = tl.where((bt_ >= 0) & (bt_ < num_blocks), bt_, 0)
+        bt_ = tl.reshape(tl.broadcast_to(bt_[:, None], (NT8, TB)), (BT,))  # the block id of every token
+        tin = tok % BS
+        k_off = bt_[:, None] * stride_kc_b + tin[:, None] * stride_kc_t + (o_d // 16)[None, :] * stride_kc_c \
+            + (o_d % 16)[None, :]
+        k_off = tl.max_contiguous(tl.multiple_of(k_off, [1, 16]), [1, 16])
+        if V5D:
+            v_off = bt_[None, :] * stride_vc_b + (tin // 16)[None, :] * stride_vc_2 + o_d[:, None] * stride_vc_3 \
+                + (tin % 16)[None, :]
+        else:
+            v_off = bt_[None, :] * stride_vc_b + o_d[:, None] * stride_vc_2 + tin[None, :] * stride_vc_3
+        v_off = tl.max_contiguous(tl.multiple_of(v_off, [1, 16]), [16, 16])
+        if MASKED or ((K_PER_TOKEN or V_PER_TOKEN) and D <= 128):
+            b_k = tl.load(p_kc + i_h * stride_kc_h + k_off, mask=live_tp[:, None], other=0.0)
+            b_vt = tl.load(p_vc + i_h * stride_vc_h + v_off, mask=live_tp[None, :], other=0.0)
+        else:
+            b_k = tl.load(p_kc + i_h * stride_kc_h + k_off)
+            b_vt = tl.load(p_vc + i_h * stride_vc_h + v_off)
+        b = bt_
+        t_p = tin
     else:
-        b_k = tl.load(p_k)
-        b_v = tl.load(p_v)
-    b_k = tl.reshape(b_k, (BT, D)).to(tl.float16)
-    b_vt = tl.reshape(b_v, (D, BT))  # V^T
-    b_s = tl.dot(b_q, tl.trans(b_k)) * row_scale[:, None]
+        NT: tl.constexpr = BT // TB
+        o_nt = tl.arange(0, NT)
+        o_tb = tl.arange(0, TB)
+        o_tb16 = tl.arange(0, TB // 16)
+        o_c = tl.arange(0, D // 16)
+        o_16 = tl.arange(0, 16)
+        # NT pieces of TB tokens, each contiguous inside one block; offsets are built with the contiguous
+        # axis last (an arange) so loads vectorize to 16 bytes, then merged to [BT, D]
+        blk_idx = tile_start // BS + o_nt  # [NT] table columns
+        if BT >= BS:  # whole blocks: the first token of every piece is the block's first
+            t0 = 0
+        else:  # a block split into BS / BT tiles (tile_start is a multiple of BT)
+            t0 = tl.multiple_of(tile_start % BS, TB)
+        t_p = t0 + o_tb  # [TB] token offsets inside the block
+        # table entries are read only for pieces inside the context (stale ids past a sequence's extent
+        # are never dereferenced); loads are masked per piece, so the mask is constant along the
+        # contiguous axis and the loads still vectorize
+        live_pc = (tile_start + o_nt * TB) < end  # [NT]
+        if MASKED:
+            b = tl.load(p_bt + seq * stride_bt_s + blk_idx, mask=live_pc, other=0).to(tl.int64)
+        else:
+            b = tl.load(p_bt + seq * stride_bt_s + blk_idx).to(tl.int64)
+        # a block id outside the cache (a corrupted table: the reference raises ValueError) reads block 0
+        # instead: the result is meaningless but no load leaves the caches
+        b = tl.where((b >= 0) & (b < num_blocks), b, 0)
+        # K [NT, TB, D/16, 16] from key_cache[b, h, c, t, 16]
+        p_k = p_kc + i_h * stride_kc_h + b[:, None, None, None] * stride_kc_b \
+            + t_p[None, :, None, None] * stride_kc_t + o_c[None, None, :, None] * stride_kc_c + o_16[None, None, None, :]
+        if V5D:  # value_cache[b, h, t // 16, d, t % 16] as [D, NT, TB/16, 16]
+            p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None, None] * stride_vc_3 \
+                + b[None, :, None, None] * stride_vc_b + (t0 // 16 + o_tb16)[None, None, :, None] * stride_vc_2 \
+                + o_16[None, None, None, :]
+        else:  # value_cache[b, h, d, t] as [D, NT, TB]
+            p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None] * stride_vc_2 + b[None, :, None] * stride_vc_b \
+                + t_p[None, None, :] * stride_vc_3
+        # with per-token scales and D <= 128 the K/V loads stay masked in both loops too (sm_90: 96
+        # registers, 5 programs/SM, instead of 104 and 4; at D = 256 the masked form spills)
+        if MASKED or ((K_PER_TOKEN or V_PER_TOKEN) and D <= 128):
+            b_k = tl.load(p_k, mask=live_pc[:, None, None, None], other=0.0)
+            if V5D:
+                b_v = tl.load(p_v, mask=live_pc[None, :, None, None], other=0.0)
+            else:
+                b_v = tl.load(p_v, mask=live_pc[None, :, None], other=0.0)
+        else:
+            b_k = tl.load(p_k)
+            b_v = tl.load(p_v)
+        b_vt = tl.reshape(b_v, (D, BT))  # V^T
+    if MMA8:  # FP8 K straight into FP8 dots: Q = hi + lo / 16 exactly (see _split_fp8)
+        b_k = tl.reshape(b_k, (BT, D))
+        b_s = tl.dot(b_q, tl.trans(b_k), tl.dot(b_q_lo, tl.trans(b_k)) * 0.0625) * row_scale[:, None]
+    else:
+        b_k = tl.reshape(b_k, (BT, D)).to(tl.float16)
+        b_s = tl.dot(b_q, tl.trans(b_k)) * row_scale[:, None]
     # [NT, TB] tokens in the context; the per-token scale loads stay masked in both loops (unmasked,
     # the pipeliner prefetched them into registers: 96 -> 128 registers, 5 -> 4 programs per SM)
-    live_p = (tile_start + o_nt[:, None] * TB + o_tb[None, :]) < end
+    if MMA8:  # per token: the block ids and offsets are already [BT]
+        live_p = tok < end
+    else:
+        live_p = (tile_start + o_nt[:, None] * TB + o_tb[None, :]) < end
     if K_PER_TOKEN:
-        ks_t = tl.load(p_ks + b[:, None] * stride_ks_b + i_h * stride_ks_h + t_p[None, :], mask=live_p, other=0.0)
+        ks_t = tl.load(p_ks + b[:, None] * stride_ks_b + i_h * stride_ks_h + t_p[None, :], mask=live_p, other=0.0) \
+            if not MMA8 else tl.load(p_ks + b * stride_ks_b + i_h * stride_ks_h + t_p, mask=live_p, other=0.0)
         b_s = b_s * tl.reshape(ks_t, (BT,))[None, :]
     if MASKED:
         tok = tile_start + o_t
@@ -191,6 +243,28 @@ def _attend_tile(
     b_p = tl.exp2(b_s - m_base[:, None])
     alpha = tl.exp2(b_m - m_base)
     b_l = b_l * alpha + tl.sum(b_p, 1)
+    if MMA8 >= 2:
+        # P @ V in FP8: V straight from shared memory; P * 256 = hi + lo / 16 (8 significant bits; MMA8 3:
+        # a third term, + lo2 / 256, 12 bits)
+        if MASKED:  # V's NaN bytes (0x7f / 0xff in e4m3fn) cleared to 0; P is exactly 0 there
+            b_vi = b_vt.to(tl.uint8, bitcast=True)
+            b_vt = tl.where((b_vi & 0x7F) == 0x7F, 0, b_vi).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+        if V_PER_TOKEN:
+            vs_t = tl.load(p_vs + b * stride_vs_b + i_h * stride_vs_h + t_p, mask=live_p, other=0.0)
+            b_p = b_p * vs_t[None, :]
+        b_vt8 = tl.trans(b_vt)
+        if MMA8 == 3:
+            x = b_p * 256.0
+            p_hi = x.to(tl.float8e4nv)
+            r = (x - p_hi.to(tl.float32)) * 16.0
+            p_lo = r.to(tl.float8e4nv)
+            p_lo2 = ((r - p_lo.to(tl.float32)) * 16.0).to(tl.float8e4nv)
+            b_pv = tl.dot(p_hi, b_vt8, tl.dot(p_lo, b_vt8, tl.dot(p_lo2, b_vt8) * 0.0625) * 0.0625)
+        else:
+            p_hi, p_lo = _split_fp8(b_p * 256.0)
+            b_pv = tl.dot(p_hi, b_vt8, tl.dot(p_lo, b_vt8) * 0.0625)
+        b_acc = b_acc * alpha[:, None] + b_pv * 0.00390625
+        return m_new, b_l, b_acc
     if MASKED:
         # V's NaN bytes in unused slots of a live page: P is exactly 0 there, but 0 * NaN is NaN
         if V_MAXNUM:  # IEEE maxNum returns the non-NaN operand; every FP8 value is >= -448
@@ -200,7 +274,8 @@ def _attend_tile(
     else:
         b_vt = b_vt.to(tl.float16)
     if V_PER_TOKEN:
-        vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :], mask=live_p, other=0.0)
+        vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :], mask=live_p, other=0.0) \
+            if not MMA8 else tl.load(p_vs + b * stride_vs_b + i_h * stride_vs_h + t_p, mask=live_p, other=0.0)
         b_p = b_p * tl.reshape(vs_t, (BT,))[None, :]
     b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(tl.float16), tl.trans(b_vt))
     return m_new, b_l, b_acc
@@ -252,7 +327,7 @@ def _partition_task(
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BT: tl.constexpr, ALIGN: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
-    V_MAXNUM: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr,
+    V_MAXNUM: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr, MMA8: tl.constexpr,
 ):
     """Partition i_p of KV head i_h of work item i_s: its tiles, then its (m, l, acc) partial (DIRECT: the
     output rows)."""
@@ -267,7 +342,12 @@ def _partition_task(
     b_qf = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(tl.float32)
     q_e = tl.max(tl.abs(b_qf), 1).to(tl.int32, bitcast=True) & 0x7F800000
     q_pow = tl.where(q_e > 0, q_e.to(tl.float32, bitcast=True), 1.0)
-    b_q = (b_qf * (1.0 / q_pow)[:, None]).to(tl.float16)
+    if MMA8:  # max |q| of a row in [128, 256): hi and lo hold the BF16 query exactly (_split_fp8)
+        b_q, b_q_lo = _split_fp8(b_qf * (128.0 / q_pow)[:, None])
+        q_pow = q_pow * 0.0078125
+    else:
+        b_q = (b_qf * (1.0 / q_pow)[:, None]).to(tl.float16)
+        b_q_lo = b_q
     last = ctx - nrows + row  # row sees tokens first..last
     first = tl.where(sliding_window > 0, last - sliding_window + 1, 0)
 
@@ -296,20 +376,20 @@ def _partition_task(
     # dynamic trip counts: the partition's own tiles, whatever the table width
     for jt in tl.range(0, n_full):
         b_m, b_l, b_acc = _attend_tile(
-            b_m, b_l, b_acc, b_q, row_scale, last, first, m_valid, u0 + jt * BT, end,
+            b_m, b_l, b_acc, b_q, b_q_lo, row_scale, last, first, m_valid, u0 + jt * BT, end,
             p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
             stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
             stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
-            D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, False)
+            D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, False, MMA8)
     # a few tiles per partition: 2 stages (fewer registers than the steady loop; the sm_90 resource test)
     for jt in tl.range(0, n_masked, num_stages=2):
         tile_start = tl.where(jt < n_pre, start + jt * BT, u1 + (jt - n_pre) * BT)
         b_m, b_l, b_acc = _attend_tile(
-            b_m, b_l, b_acc, b_q, row_scale, last, first, m_valid, tile_start, end,
+            b_m, b_l, b_acc, b_q, b_q_lo, row_scale, last, first, m_valid, tile_start, end,
             p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
             stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
             stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
-            D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, True)
+            D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, True, MMA8)
     if not V_PER_TOKEN:
         b_acc = b_acc * tl.load(p_vs)
     b_m = b_m * 0.6931471805599453  # back to natural-log units for the reduce (and the sinks)
@@ -336,7 +416,7 @@ def pa_decode_partition_kernel(
     BT: tl.constexpr, ALIGN: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
     V_MAXNUM: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
+    HAS_SINKS: tl.constexpr, MMA8: tl.constexpr = 0,
 ):
     # two call sites of the task on purpose: the grid path runs it outside any loop (inside the queue's
     # loop the 4-warp page-64 program grew from 92 to 150 registers)
@@ -348,7 +428,7 @@ def pa_decode_partition_kernel(
             stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
             stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
             stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
-            V_MAXNUM, DIRECT, HAS_SINKS)
+            V_MAXNUM, DIRECT, HAS_SINKS, MMA8)
     else:
         # tasks (item, KV head, partition), partition-major from the highest partition down (the
         # long sequences' partitions first, the short ones' last), bounded by the batch's longest split
@@ -378,7 +458,7 @@ def pa_decode_partition_kernel(
                 stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
                 stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
                 stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
-                V_MAXNUM, False, HAS_SINKS)
+                V_MAXNUM, False, HAS_SINKS, MMA8)
             t = tl.atomic_add(p_queue, 1, sem="relaxed")
 
 
