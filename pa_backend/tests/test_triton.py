@@ -356,3 +356,86 @@ def test_single_partition_writes_the_output_without_the_reduce(monkeypatch, pref
     assert err <= tolerance(DEVICE), err
     if not prefill:
         assert (out[2:4] == 0).all()  # the sequence with context 0 attended nothing
+
+
+class _LaunchSpy:
+    """Wraps the partition kernel and records the QK8 constexpr of every launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.qk8 = kernel, []
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+
+        def call(*args, **kwargs):
+            self.qk8.append(kwargs["QK8"])
+            return launch(*args, **kwargs)
+        return call
+
+
+FP8_QK_CASES = [
+    dict(context_lengths=[3, 70, 33], query_length=4, Hq=16, Hkv=1, D=128, v_layout="4d", scales="tensor"),
+    dict(context_lengths=[40, 6], query_length=4, Hq=32, Hkv=2, D=64, v_layout="5d", scales="token"),
+    dict(context_lengths=[90, 7], query_length=4, Hq=16, Hkv=1, D=64, block_size=64, sliding_window=37, sinks=True),
+    dict(context_lengths=[60, 9], query_lengths=[35, 9], Hq=8, Hkv=2, D=64, v_layout="5d", scales="tensor"),
+]
+
+
+@pytest.mark.parametrize("params", FP8_QK_CASES, ids=["ql4-gqa16-D128", "ql4-5d-token", "bs64-window-sinks", "prefill"])
+def test_fp8_qk_path_matches_reference(monkeypatch, params):
+    """The wgmma programs' FP8 Q.K (the BF16 query as an exact hi + lo FP8 pair, K's 2-D tiles from the
+    cache bytes; on by default on NVIDIA sm_89+, forced here so the interpreter checks it): the float64
+    reference's tolerance with NaN bytes in every unused slot, a 128k-style wide table's stale columns
+    included (make_pa_case's extra_table), and it was the path taken."""
+    from pa_backend.triton import pa_decode as kmod
+
+    spy = _LaunchSpy(kmod.pa_decode_partition_kernel)
+    monkeypatch.setenv("FLYDSL_BACKENDS_PA_FP8_QK", "1")
+    monkeypatch.setattr(kmod, "pa_decode_partition_kernel", spy)
+    check(params, seed=11)
+    assert spy.qk8 and all(spy.qk8)
+
+
+def test_fp8_qk_needs_16_byte_aligned_caches(monkeypatch):
+    """A cache whose base address is not 16-byte aligned (a view at an odd offset) cannot declare the
+    2-D tiles' 16-byte runs: the launch takes the FP16 dots, with the same result as an aligned copy."""
+    from pa_backend.triton import pa_decode as kmod
+
+    params = FP8_QK_CASES[0]
+    case = make_pa_case(**params, device=DEVICE, seed=3)
+    kw = dict(case.kwargs)
+    kw.pop("out")
+    shifted = {}
+    for name in ("key_cache", "value_cache"):
+        t = kw[name]
+        raw = torch.empty(t.numel() + 1, dtype=torch.uint8, device=DEVICE)
+        view = raw[1:].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        shifted[name] = view
+    assert shifted["key_cache"].data_ptr() % 16
+    spy = _LaunchSpy(kmod.pa_decode_partition_kernel)
+    monkeypatch.setenv("FLYDSL_BACKENDS_PA_FP8_QK", "1")
+    monkeypatch.setattr(kmod, "pa_decode_partition_kernel", spy)
+    aligned = case.call("triton", out=torch.full_like(kw["query"], float("nan")))
+    unaligned = case.call("triton", out=torch.full_like(kw["query"], float("nan")), **shifted)
+    assert spy.qk8 == [True, False]
+    err = ((unaligned.double() - aligned.double()).norm() / aligned.double().norm()).item()
+    assert err <= tolerance(DEVICE), err
+
+
+def test_fp8_qk_switch(monkeypatch):
+    """Off for one-warp M = 16 programs and off the GPU by default; the override is validated."""
+    from pa_backend import triton as pt
+
+    cache = make_pa_case(**FP8_QK_CASES[0], device=DEVICE, seed=0).kwargs
+    holder = type("Cache", (), {"key_cache": cache["key_cache"]})()
+    monkeypatch.setenv("FLYDSL_BACKENDS_PA_FP8_QK", "1")
+    assert pt.fp8_qk(torch.device(DEVICE), holder, 64) and not pt.fp8_qk(torch.device(DEVICE), holder, 16)
+    monkeypatch.setenv("FLYDSL_BACKENDS_PA_FP8_QK", "0")
+    assert not pt.fp8_qk(torch.device(DEVICE), holder, 64)
+    monkeypatch.delenv("FLYDSL_BACKENDS_PA_FP8_QK")
+    if DEVICE.type == "cpu":
+        assert not pt.fp8_qk(torch.device("cpu"), holder, 64)
+    monkeypatch.setenv("FLYDSL_BACKENDS_PA_FP8_QK", "yes")
+    with pytest.raises(ValueError, match="FLYDSL_BACKENDS_PA_FP8_QK"):
+        pt.fp8_qk(torch.device(DEVICE), holder, 64)

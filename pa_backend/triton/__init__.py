@@ -27,7 +27,7 @@ from ..planner import (FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, QUEUE_SM_SLOTS, pla
                        workspace)
 
 __all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "split_policy", "reduce_warps",
-           "register_cap"]
+           "register_cap", "fp8_qk"]
 
 
 def available() -> Tuple[bool, str]:
@@ -235,7 +235,7 @@ class _Launch:
         self.resident_key = (p.device, self.D, self.BM, self.bt, self.warps, self.stages, c.v_transposed,
                              c.k_per_token, c.v_per_token, not p.is_decode, register_cap(self.warps))
         self.v_maxnum = _v_maxnum(p.device)
-        self.mma8 = mma8_mode(p.device, c, self.BM)
+        self.qk8 = fp8_qk(p.device, c, self.BM)
         # per-SM program counters (NVIDIA: %smid): a power of two >= the SM count
         self.sm_slots = min(1 << (self.sms - 1).bit_length(), QUEUE_SM_SLOTS) if self.v_maxnum else 0
         cap = register_cap(self.warps) if self.v_maxnum and self.queue_mode else None  # NVIDIA, the queue loop
@@ -298,7 +298,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
         V_MAXNUM=L.v_maxnum, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots, DIRECT=L.direct,
         HAS_SINKS=L.direct and p.sinks is not None,  # read only by a direct launch (no second compile otherwise)
-        MMA8=L.mma8 if L.mma8 and _aligned16(kc, vc) else 0,
+        QK8=L.qk8 and _aligned16(kc, vc),
         num_warps=L.warps, num_stages=L.stages, **L.launch_options,
     )
     if L.queue_mode and L.resident_key not in _RESIDENT:
@@ -323,27 +323,30 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
     return p.out
 
 
-def mma8_mode(device: torch.device, cache, BM: int) -> int:
-    """Which dots of the partition kernel run on FP8 tensor cores with hi / lo splits (pa_decode.py,
-    _split_fp8): 0 none (FP16 dots, K and V widened in registers), 1 Q.K (the BF16 query exactly as
-    hi + lo / 16), 2 Q.K and P.V (P with 8 significant bits). NVIDIA sm_89+ with e4m3fn caches only.
-    FLYDSL_BACKENDS_PA_MMA8 overrides the default (tuning)."""
-    mode = 0
-    raw = os.environ.get("FLYDSL_BACKENDS_PA_MMA8", "").strip()
-    if raw:
-        if raw not in ("0", "1", "2", "3"):
-            raise ValueError(f"FLYDSL_BACKENDS_PA_MMA8={raw!r}: expected 0, 1, 2 or 3")
-        mode = int(raw)
-    if not mode or BM < 64 or cache.key_cache.dtype != torch.float8_e4m3fn or not _v_maxnum(device):
-        return 0
-    if torch.cuda.get_device_capability(device) < (8, 9):
-        return 0
-    return mode
+def fp8_qk(device: torch.device, cache, BM: int) -> bool:
+    """Whether the partition kernel's Q.K runs on FP8 tensor cores (pa_decode.py, ``QK8``): K goes from
+    shared memory straight into the dots (no FP8 -> FP16 widening, no register round trip) and the BF16
+    query enters as an exact pair of FP8 tiles (``_split_query_fp8``: q is not rounded). On by default
+    for the wgmma programs (M >= 64 rows: multi-token decode, prefill) on NVIDIA sm_89+ with e4m3fn
+    caches. H200, 128k tables (benchmarks/pa_probe/mma8_H200_2026-12-04.txt): B=200/ql 4/200k 8.06 ->
+    5.69 ms, prefill B=4 x 2048 on a 6144 prefix 3.72 -> 3.21 ms, 2048 on a 30k prefix 4.10 -> 3.58 ms,
+    B=8 x 1024 509 -> 474 us; rel. error 1.71e-3 (1.65e-3 with FP16 dots). One-warp M = 16 programs keep
+    FP16 dots (their operands pass through registers anyway). FLYDSL_BACKENDS_PA_FP8_QK=0 / 1 overrides
+    the default (1 also runs it in Triton's interpreter, where the CPU tests check it)."""
+    raw = os.environ.get("FLYDSL_BACKENDS_PA_FP8_QK", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"FLYDSL_BACKENDS_PA_FP8_QK={raw!r}: expected 0 or 1")
+    if raw == "0" or BM < 64 or cache.key_cache.dtype != torch.float8_e4m3fn:
+        return False
+    if raw == "1":
+        return True
+    return _v_maxnum(device) and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _aligned16(*caches: torch.Tensor) -> bool:
-    """Every stride but the unit one and the base address a multiple of 16 bytes: the FP8 dots' 2-D tile
-    loads declare 16-byte runs the compiler cannot derive through the gathered block ids."""
+    """Every stride but the unit one and the base address a multiple of 16 bytes: the QK8 path's 2-D tile
+    loads declare 16-byte runs the compiler cannot derive through the gathered block ids (otherwise the
+    call takes the FP16 dots)."""
     return all(t.data_ptr() % 16 == 0 and all(st % 16 == 0 for st in t.stride()[:-1]) for t in caches)
 
 

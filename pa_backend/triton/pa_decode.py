@@ -104,12 +104,16 @@ def _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, 
 
 
 @triton.jit
-def _split_fp8(x):
-    """(hi, lo) FP8 e4m3 with x == hi + lo / 16: exact for x with 8 significant bits (BF16) in [2^-6, 448)
-    whose residual stays normal, within 2^-9 relative otherwise (FP32 x)."""
-    hi = x.to(tl.float8e4nv)
-    lo = ((x - hi.to(tl.float32)) * 16.0).to(tl.float8e4nv)
-    return hi, lo
+def _split_query_fp8(x):
+    """(hi, lo) FP8 e4m3fn with x == hi + lo / 16 for an FP32 ``x`` holding BF16 values scaled so each
+    row's max |x| is in [128, 256): hi is x cut to 4 significant bits (sign, exponent and the top 3
+    mantissa bits), the residual x - hi holds x's remaining 4 bits, so lo = 16 * residual cut the same
+    way loses nothing. Both are FP8 values for every element >= 2^-6 (2^-13 of its row's max): the query
+    is exact there; smaller elements are off by < 2^-9 (2^-16 of the max). Cutting instead of rounding
+    makes the conversions exact, the interpreter's included (it mis-rounds carries into the exponent)."""
+    hi = (x.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True)  # 0xFFF00000
+    lo = (((x - hi) * 16.0).to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True)
+    return hi.to(tl.float8e4nv), lo.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -121,7 +125,7 @@ def _attend_tile(
     stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
     D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_MAXNUM: tl.constexpr,
-    MASKED: tl.constexpr, MMA8: tl.constexpr,
+    MASKED: tl.constexpr, QK8: tl.constexpr,
 ):
     """One tile of BT tokens from ``tile_start``: gather K/V from the paged cache, S = Q K^T, the
     online-softmax update and acc += P V. MASKED=0 is the steady state: every token of the tile is
@@ -131,7 +135,7 @@ def _attend_tile(
     o_d = tl.arange(0, D)
     o_t = tl.arange(0, BT)
     TB: tl.constexpr = BT if BT < BS else BS
-    if MMA8:
+    if QK8:
         # 2-D tiles straight into the FP8 dots' shared memory (no register round trip): K [BT, D] with a
         # per-token row (16-byte chunks along D), V^T [D, BT] with tokens contiguous in runs of 16 inside a
         # block (the hint the compiler cannot derive through the gathered block id: every block holds a
@@ -156,7 +160,7 @@ def _attend_tile(
                 + (tin % 16)[None, :]
         else:
             v_off = bt_[None, :] * stride_vc_b + o_d[:, None] * stride_vc_2 + tin[None, :] * stride_vc_3
-        v_off = tl.max_contiguous(tl.multiple_of(v_off, [1, 16]), [16, 16])
+        v_off = tl.max_contiguous(tl.multiple_of(v_off, [1, 16]), [1, 16])
         if MASKED or ((K_PER_TOKEN or V_PER_TOKEN) and D <= 128):
             b_k = tl.load(p_kc + i_h * stride_kc_h + k_off, mask=live_tp[:, None], other=0.0)
             b_vt = tl.load(p_vc + i_h * stride_vc_h + v_off, mask=live_tp[None, :], other=0.0)
@@ -213,7 +217,7 @@ def _attend_tile(
             b_k = tl.load(p_k)
             b_v = tl.load(p_v)
         b_vt = tl.reshape(b_v, (D, BT))  # V^T
-    if MMA8:  # FP8 K straight into FP8 dots: Q = hi + lo / 16 exactly (see _split_fp8)
+    if QK8:  # FP8 K straight from shared memory into FP8 dots; Q = hi + lo / 16 exactly (_split_query_fp8)
         b_k = tl.reshape(b_k, (BT, D))
         b_s = tl.dot(b_q, tl.trans(b_k), tl.dot(b_q_lo, tl.trans(b_k)) * 0.0625) * row_scale[:, None]
     else:
@@ -221,13 +225,13 @@ def _attend_tile(
         b_s = tl.dot(b_q, tl.trans(b_k)) * row_scale[:, None]
     # [NT, TB] tokens in the context; the per-token scale loads stay masked in both loops (unmasked,
     # the pipeliner prefetched them into registers: 96 -> 128 registers, 5 -> 4 programs per SM)
-    if MMA8:  # per token: the block ids and offsets are already [BT]
+    if QK8:  # per token: the block ids and offsets are already [BT]
         live_p = tok < end
     else:
         live_p = (tile_start + o_nt[:, None] * TB + o_tb[None, :]) < end
     if K_PER_TOKEN:
         ks_t = tl.load(p_ks + b[:, None] * stride_ks_b + i_h * stride_ks_h + t_p[None, :], mask=live_p, other=0.0) \
-            if not MMA8 else tl.load(p_ks + b * stride_ks_b + i_h * stride_ks_h + t_p, mask=live_p, other=0.0)
+            if not QK8 else tl.load(p_ks + b * stride_ks_b + i_h * stride_ks_h + t_p, mask=live_p, other=0.0)
         b_s = b_s * tl.reshape(ks_t, (BT,))[None, :]
     if MASKED:
         tok = tile_start + o_t
@@ -243,28 +247,6 @@ def _attend_tile(
     b_p = tl.exp2(b_s - m_base[:, None])
     alpha = tl.exp2(b_m - m_base)
     b_l = b_l * alpha + tl.sum(b_p, 1)
-    if MMA8 >= 2:
-        # P @ V in FP8: V straight from shared memory; P * 256 = hi + lo / 16 (8 significant bits; MMA8 3:
-        # a third term, + lo2 / 256, 12 bits)
-        if MASKED:  # V's NaN bytes (0x7f / 0xff in e4m3fn) cleared to 0; P is exactly 0 there
-            b_vi = b_vt.to(tl.uint8, bitcast=True)
-            b_vt = tl.where((b_vi & 0x7F) == 0x7F, 0, b_vi).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-        if V_PER_TOKEN:
-            vs_t = tl.load(p_vs + b * stride_vs_b + i_h * stride_vs_h + t_p, mask=live_p, other=0.0)
-            b_p = b_p * vs_t[None, :]
-        b_vt8 = tl.trans(b_vt)
-        if MMA8 == 3:
-            x = b_p * 256.0
-            p_hi = x.to(tl.float8e4nv)
-            r = (x - p_hi.to(tl.float32)) * 16.0
-            p_lo = r.to(tl.float8e4nv)
-            p_lo2 = ((r - p_lo.to(tl.float32)) * 16.0).to(tl.float8e4nv)
-            b_pv = tl.dot(p_hi, b_vt8, tl.dot(p_lo, b_vt8, tl.dot(p_lo2, b_vt8) * 0.0625) * 0.0625)
-        else:
-            p_hi, p_lo = _split_fp8(b_p * 256.0)
-            b_pv = tl.dot(p_hi, b_vt8, tl.dot(p_lo, b_vt8) * 0.0625)
-        b_acc = b_acc * alpha[:, None] + b_pv * 0.00390625
-        return m_new, b_l, b_acc
     if MASKED:
         # V's NaN bytes in unused slots of a live page: P is exactly 0 there, but 0 * NaN is NaN
         if V_MAXNUM:  # IEEE maxNum returns the non-NaN operand; every FP8 value is >= -448
@@ -275,7 +257,7 @@ def _attend_tile(
         b_vt = b_vt.to(tl.float16)
     if V_PER_TOKEN:
         vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :], mask=live_p, other=0.0) \
-            if not MMA8 else tl.load(p_vs + b * stride_vs_b + i_h * stride_vs_h + t_p, mask=live_p, other=0.0)
+            if not QK8 else tl.load(p_vs + b * stride_vs_b + i_h * stride_vs_h + t_p, mask=live_p, other=0.0)
         b_p = b_p * tl.reshape(vs_t, (BT,))[None, :]
     b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(tl.float16), tl.trans(b_vt))
     return m_new, b_l, b_acc
@@ -327,7 +309,7 @@ def _partition_task(
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BT: tl.constexpr, ALIGN: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
-    V_MAXNUM: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr, MMA8: tl.constexpr,
+    V_MAXNUM: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr, QK8: tl.constexpr,
 ):
     """Partition i_p of KV head i_h of work item i_s: its tiles, then its (m, l, acc) partial (DIRECT: the
     output rows)."""
@@ -342,8 +324,8 @@ def _partition_task(
     b_qf = tl.load(p_qrow, mask=m_valid[:, None], other=0.0).to(tl.float32)
     q_e = tl.max(tl.abs(b_qf), 1).to(tl.int32, bitcast=True) & 0x7F800000
     q_pow = tl.where(q_e > 0, q_e.to(tl.float32, bitcast=True), 1.0)
-    if MMA8:  # max |q| of a row in [128, 256): hi and lo hold the BF16 query exactly (_split_fp8)
-        b_q, b_q_lo = _split_fp8(b_qf * (128.0 / q_pow)[:, None])
+    if QK8:  # max |q| of a row in [128, 256): hi and lo hold the BF16 query exactly (_split_query_fp8)
+        b_q, b_q_lo = _split_query_fp8(b_qf * (128.0 / q_pow)[:, None])
         q_pow = q_pow * 0.0078125
     else:
         b_q = (b_qf * (1.0 / q_pow)[:, None]).to(tl.float16)
@@ -380,7 +362,7 @@ def _partition_task(
             p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
             stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
             stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
-            D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, False, MMA8)
+            D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, False, QK8)
     # a few tiles per partition: 2 stages (fewer registers than the steady loop; the sm_90 resource test)
     for jt in tl.range(0, n_masked, num_stages=2):
         tile_start = tl.where(jt < n_pre, start + jt * BT, u1 + (jt - n_pre) * BT)
@@ -389,7 +371,7 @@ def _partition_task(
             p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
             stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
             stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
-            D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, True, MMA8)
+            D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, True, QK8)
     if not V_PER_TOKEN:
         b_acc = b_acc * tl.load(p_vs)
     b_m = b_m * 0.6931471805599453  # back to natural-log units for the reduce (and the sinks)
@@ -416,7 +398,7 @@ def pa_decode_partition_kernel(
     BT: tl.constexpr, ALIGN: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
     V_MAXNUM: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_SINKS: tl.constexpr, MMA8: tl.constexpr = 0,
+    HAS_SINKS: tl.constexpr, QK8: tl.constexpr = False,
 ):
     # two call sites of the task on purpose: the grid path runs it outside any loop (inside the queue's
     # loop the 4-warp page-64 program grew from 92 to 150 registers)
@@ -428,7 +410,7 @@ def pa_decode_partition_kernel(
             stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
             stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
             stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
-            V_MAXNUM, DIRECT, HAS_SINKS, MMA8)
+            V_MAXNUM, DIRECT, HAS_SINKS, QK8)
     else:
         # tasks (item, KV head, partition), partition-major from the highest partition down (the
         # long sequences' partitions first, the short ones' last), bounded by the batch's longest split
@@ -458,7 +440,7 @@ def pa_decode_partition_kernel(
                 stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
                 stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
                 stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
-                V_MAXNUM, False, HAS_SINKS, MMA8)
+                V_MAXNUM, False, HAS_SINKS, QK8)
             t = tl.atomic_add(p_queue, 1, sem="relaxed")
 
 

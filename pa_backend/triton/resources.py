@@ -66,7 +66,8 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
         constexprs = dict(HKV=1, G=G, QL=QL, BM=BM, D=D, BS=block_size, BT=bt, ALIGN=max(bt, block_size), V5D=v5d,
                           K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged, V_MAXNUM=True,
                           QUEUE=(warps == 1 and not ragged and not direct) if queue is None else queue, SM_SLOTS=256,
-                          DIRECT=direct, HAS_SINKS=sinks, MMA8=0)
+                          DIRECT=direct, HAS_SINKS=sinks,
+                          QK8=BM >= 64)  # what fp8_qk picks on sm_90 with e4m3fn caches
         from . import register_cap
 
         maxnreg = register_cap(warps) if constexprs["QUEUE"] else None
