@@ -1,9 +1,11 @@
-"""FP8 tensor-core dots for the wgmma programs (ql 4 decode, prefill), 2026-12-04 (fifth session).
+"""FP8 tensor-core Q.K for the wgmma programs (ql 4 decode, prefill), 2026-12-04 (fifth session).
 
-Question: with K (and V) fed from shared memory straight into FP8 dots (2-D tile loads, the BF16 query as an
-exact hi + lo FP8 pair, P as a 2- or 3-term FP8 split), does the M >= 64 program stop being bound by the
-FP8 -> FP16 widening and its register -> shared-memory round trip?
-Settings: decode "mma8/warps/stages/bt", prefill "mma8/m/bt/warps/stages" ("-" keeps the shipped value);
+Question: with K fed from shared memory straight into FP8 dots (2-D tile loads, the BF16 query as an exact
+hi + lo FP8 pair), does the M >= 64 program stop being bound by the FP8 -> FP16 widening of K and its
+register -> shared-memory round trip? (The recorded run, mma8_H200_2026-12-04.txt, is of the first version,
+commit a4e48b1 with the V hint fixed, whose FLYDSL_BACKENDS_PA_MMA8 also had P.V variants 2 / 3: they gave
+NaN and were not faster, and were removed; its mode 1 is today's FLYDSL_BACKENDS_PA_FP8_QK=1.)
+Settings: decode "qk8/warps/stages/bt", prefill "qk8/m/bt/warps/stages" ("-" keeps the shipped value);
 every setting is checked against the float64 reference before it is timed (CUDA-graph replay, median).
 Run on the GPU machine from the repo root: python3 benchmarks/pa_probe/mma8_probe.py [max_seconds]
 (PROBE_DECODE / PROBE_PREFILL: ';'-separated settings; PROBE_CONFIGS / PROBE_PREFILL_CONFIGS: indices)."""
@@ -28,9 +30,9 @@ t0 = time.time()
 DEV = "cpu" if DRY else "cuda"
 copy = 1.0 if DRY else copy_bandwidth_gbps()
 print(f"copy {copy:.0f} GB/s", flush=True)
-DEC_ENV = ("FLYDSL_BACKENDS_PA_MMA8", "FLYDSL_BACKENDS_PA_TRITON_WARPS", "FLYDSL_BACKENDS_PA_TRITON_STAGES",
+DEC_ENV = ("FLYDSL_BACKENDS_PA_FP8_QK", "FLYDSL_BACKENDS_PA_TRITON_WARPS", "FLYDSL_BACKENDS_PA_TRITON_STAGES",
            "FLYDSL_BACKENDS_PA_TRITON_BT")
-PRE_ENV = ("FLYDSL_BACKENDS_PA_MMA8", "FLYDSL_BACKENDS_PA_PREFILL_M", "FLYDSL_BACKENDS_PA_PREFILL_BT",
+PRE_ENV = ("FLYDSL_BACKENDS_PA_FP8_QK", "FLYDSL_BACKENDS_PA_PREFILL_M", "FLYDSL_BACKENDS_PA_PREFILL_BT",
            "FLYDSL_BACKENDS_PA_PREFILL_WARPS", "FLYDSL_BACKENDS_PA_PREFILL_STAGES")
 
 
@@ -67,9 +69,8 @@ def run(label, kw, acc_kw, make_plan, names, settings, metric):
     print(f"best {label}: " + "; ".join(f"{s} {us:.1f} us ({e:.1e})" for us, s, e in rows[:4]), flush=True)
 
 
-DEC = os.environ.get("PROBE_DECODE", "0/-/-/-;1/-/-/-;2/-/-/-;3/-/-/-;2/-/4/-;2/-/3/-;2/-/5/128;1/-/5/128;2/8/5/128")
-PRE = os.environ.get("PROBE_PREFILL", "0/-/-/-/-;1/-/-/-/-;0/128/64/8/3;1/128/64/8/3;2/128/64/8/3;3/128/64/8/3;"
-                                      "1/128/64/8/2;2/128/64/8/2;2/128/128/8/3;2/64/64/4/4;2/64/64/4/3")
+DEC = os.environ.get("PROBE_DECODE", "0/-/-/-;1/-/-/-;1/-/6/-;1/-/4/-")
+PRE = os.environ.get("PROBE_PREFILL", "0/-/-/-/-;1/-/-/-/-;1/64/64/4/3;1/128/64/8/3")
 for ci in [int(i) for i in os.environ.get("PROBE_CONFIGS", "2").split(",") if i]:
     B, ctx, ql, Hq, Hkv, D, bs, scales = DEFAULT_CONFIGS[ci] if not DRY else (2, 100, 4, 16, 1, 128, 16, "tensor")
     kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, DEV, table_tokens=TABLE_TOKENS if not DRY else 256)
