@@ -36,6 +36,13 @@
 # the query is never rounded to FP8. P @ V runs in FP16 (FP8 values are exact in FP16; P in
 # [0, 1] keeps 11 bits): the per-tensor V scale multiplies acc once at the end, a per-token one
 # multiplies P's columns first.
+# QK8 (programs of >= 64 rows on NVIDIA sm_89+, pa_backend/triton/__init__.py fp8_qk): Q.K runs on FP8
+# tensor cores instead. K and V^T are loaded as 2-D tiles ([BT, D] with a per-token row, [D, BT] with
+# tokens contiguous in runs of 16 inside a block, a hint the compiler cannot derive through the gathered
+# block id) so the pipeliner copies K from global memory straight into the wgmma's shared-memory layout
+# (no FP8 -> FP16 widening of K, no register round trip); the query enters as two FP8 tiles, hi + lo / 16,
+# which hold the BF16 query exactly (_split_query_fp8), and S = hi.K + (lo.K) / 16. V is still widened to
+# FP16 for P @ V (FP8 P splits were not faster on the H200: benchmarks/pa_probe/mma8_H200_2026-12-04.txt).
 # Two loops per partition: tiles every query row sees whole (below the first row's position and
 # past the last row's window start) run unmasked (no load masks, no score masks, no NaN clearing:
 # all their tokens are written context); the few others (a window's edge, the causal diagonal, the
