@@ -8,7 +8,12 @@
   ``torch.ops._C.rejection_greedy_sample_kernel_impl``: greedy draft verification (speculative
   decoding), the same rule as vLLM's Triton kernel;
 * ``CpuPlatform.get_attn_backend_cls`` always answers CPU_ATTN: a backend the user named
-  (``attention_backend="FLYDSL"``) is honoured instead, as the GPU platforms do.
+  (``attention_backend="FLYDSL"``) is honoured instead, as the GPU platforms do;
+* the CPU's AMX and AVX-512-BF16 units read as absent: on a CPU that has them vLLM takes kernels of
+  its compiled CPU extension (``torch.ops._C.convert_weight_packed`` for its small-GEMM path, weight
+  prepacking for causal-conv layers, ...), which is not installed; without them it stays on the torch
+  / oneDNN paths (found on a Sapphire-Rapids-class CI machine, 2026-12-04: every engine case failed
+  with ``'_C' object has no attribute 'convert_weight_packed'``).
 
 Call ``prepare()`` in the process that builds the engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
 before ``vllm.LLM``. The model's attention then runs this project's backend on the torch
@@ -91,6 +96,11 @@ def prepare() -> None:
         _LIB.impl("greedy_argmax", lambda logits: logits.argmax(dim=-1).view(-1), "CPU")
         _LIB.define("fused_gumbel_argmax(Tensor logits, Tensor seeds) -> Tensor")
         _LIB.impl("fused_gumbel_argmax", _gumbel_argmax, "CPU")
+
+    # vLLM asks torch for these per call: no AMX / AVX-512-BF16 kernels from the missing extension
+    torch.cpu._is_amx_tile_supported = lambda: False
+    torch.cpu._is_amx_fp16_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = lambda: False
 
     from vllm.platforms import cpu as cpu_platform
 
