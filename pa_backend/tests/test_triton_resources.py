@@ -41,3 +41,20 @@ def test_decode_kernels_compile_for_sm90_without_spills():
         assert rep["registers"] > 0, (config, rep)
         allowed = SPILL_ALLOWED.get(tuple(config), 0)
         assert rep["spill_stores"] <= allowed and rep["spill_loads"] <= 2 * allowed, (config, rep)
+
+
+def test_batch_dependent_scalars_are_not_specialized():
+    """The scalars that change with the batch or the plan (item count, split, context bounds) do not
+    specialize the compiled kernels (each value class would be a compile while serving); the strides do
+    (their divisibility vectorizes the loads)."""
+    script = ("import json\nfrom pa_backend.triton.pa_decode import pa_decode_partition_kernel as k, "
+              "pa_decode_reduce_kernel as r\n"
+              "print(json.dumps([[p.name for p in f.params if p.do_not_specialize] for f in (k, r)]))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    part, red = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"n_items", "P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt", "sliding_window"} <= set(part)
+    assert {"P", "few_target", "min_pt", "long_pt", "sliding_window"} <= set(red)
+    assert not any(n.startswith("stride_") for n in part + red)

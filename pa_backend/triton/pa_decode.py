@@ -392,7 +392,16 @@ def _partition_task(
         tl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], b_acc, mask=live_p_)
 
 
-@triton.jit
+# Scalars that change with the batch or the plan are not specialized: Triton would otherwise compile a
+# variant per class of value (== 1, a multiple of 16, other) of each, so a server's first steps with new
+# batch sizes, split counts or contexts stalled on compiles (an SGLang engine on the H200 compiled twice
+# inside steps 200-600 of a steady decode run: benchmarks/pa_probe/README.md). Strides stay specialized
+# (their divisibility is what vectorizes the loads).
+BATCH_SCALARS = ("n_items", "P", "num_sms", "sliding_window", "max_tokens", "num_blocks", "few_target", "min_pt",
+                 "long_pt")
+
+
+@triton.jit(do_not_specialize=BATCH_SCALARS)
 def pa_decode_partition_kernel(
     p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_queue,
     n_items, P, num_sms, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
@@ -451,7 +460,7 @@ def pa_decode_partition_kernel(
             t = tl.atomic_add(p_queue, 1, sem="relaxed")
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("sliding_window", "few_target", "min_pt", "long_pt", "P"))
 def pa_decode_reduce_kernel(
     p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_cl, p_chunks, p_queue,
     sliding_window, few_target, min_pt, long_pt, P,
