@@ -331,13 +331,16 @@ def fp8_qk(device: torch.device, cache, BM: int) -> bool:
     caches. H200, 128k tables (benchmarks/pa_probe/mma8_H200_2026-12-04.txt): B=200/ql 4/200k 8.06 ->
     5.69 ms, prefill B=4 x 2048 on a 6144 prefix 3.72 -> 3.21 ms, 2048 on a 30k prefix 4.10 -> 3.58 ms,
     B=8 x 1024 509 -> 474 us; rel. error 1.71e-3 (1.65e-3 with FP16 dots). One-warp M = 16 programs keep
-    FP16 dots (their operands pass through registers anyway). FLYDSL_BACKENDS_PA_FP8_QK=0 / 1 overrides
-    the default (1 also runs it in Triton's interpreter, where the CPU tests check it)."""
+    FP16 dots (their operands pass through registers anyway); AMD keeps them too (not run there).
+    FLYDSL_BACKENDS_PA_FP8_QK=0 / 1 overrides the default (1 also runs it in Triton's interpreter, where
+    the CPU tests check it)."""
     raw = os.environ.get("FLYDSL_BACKENDS_PA_FP8_QK", "").strip()
     if raw not in ("", "0", "1"):
         raise ValueError(f"FLYDSL_BACKENDS_PA_FP8_QK={raw!r}: expected 0 or 1")
     if raw == "0" or BM < 64 or cache.key_cache.dtype != torch.float8_e4m3fn:
         return False
+    if device.type == "cuda" and platform.is_hip():
+        return False  # not run on AMD: the FP16 dots there
     if raw == "1":
         return True
     return _v_maxnum(device) and torch.cuda.get_device_capability(device) >= (8, 9)
