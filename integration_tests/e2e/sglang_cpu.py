@@ -18,9 +18,9 @@ sampler ran their torch paths, the KV writes and attention are this project's, a
 tree core is a native extension shipped inside the sglang wheel itself
 (``srt/mem_cache/rust_tree_core``), which loads on CPU.
 
-Speculative decoding (``prepare(speculative=True)``) needs more: see ``install_spec_seams`` (SGLang's
-spec-path Triton kernels under Triton's interpreter, its XPU-branch tree kernels, a torch_native
-draft).
+Speculative decoding (``prepare(speculative=True)``; STANDALONE and EAGLE) needs more: see
+``install_spec_seams`` (SGLang's spec-path Triton kernels under Triton's interpreter, its XPU-branch
+tree kernels, a torch_native draft).
 
 The platform is found through an entry point, in every SGLang process (the engine's scheduler and
 detokenizer are spawned processes): ``prepare(tmpdir)`` writes a small ``.dist-info`` declaring it
@@ -39,7 +39,7 @@ from backend_core.lazy import LazyClasses
 ROOT = Path(__file__).resolve().parents[2]
 DIST = "flydsl_backends_test_cpu_platform"
 PLATFORM_NAME = "flydsl_test_cpu"
-SPEC_ALGORITHMS = ("STANDALONE",)
+SPEC_ALGORITHMS = ("STANDALONE", "EAGLE")
 DRAFT_BACKEND = "torch_native"
 
 
@@ -146,12 +146,13 @@ def _after_import(name, fn):
 
 
 def install_spec_seams() -> None:
-    """What SGLang's speculative decoding (STANDALONE: a separate draft model, topk 1) needs on this
-    platform; test-only, installed in the scheduler process when ``SPEC_ENV`` is set. The platform
-    itself declares STANDALONE with a ``torch_native`` draft (``supports_speculative_algorithm``,
-    ``..._draft_attention_backend``), which SGLang checks for an out-of-tree platform
-    (``srt/arg_groups/speculative_hook.py:1061-1068``). Three stand-ins, all routing to SGLang's
-    own code:
+    """What SGLang's speculative decoding (STANDALONE: a separate draft model, or EAGLE: a
+    ``LlamaForCausalLMEagle`` draft fed the target's hidden states; topk 1) needs on this platform;
+    test-only, installed in the scheduler process when ``SPEC_ENV`` is set. EAGLE needed nothing
+    beyond what STANDALONE needs. The platform itself declares both with a ``torch_native`` draft
+    (``supports_speculative_algorithm``, ``..._draft_attention_backend``), which SGLang checks for
+    an out-of-tree platform (``srt/arg_groups/speculative_hook.py:1061-1068``). Three stand-ins, all
+    routing to SGLang's own code:
 
     * EAGLE tree build and greedy tree verification (``kernels/ops/speculative/spec_tree.py``:
       ``build_tree_kernel_efficient_func``, ``verify_tree_greedy_func``) have CUDA/HIP, NPU,

@@ -16,6 +16,20 @@ stand-ins this CPU platform needs (tree build / greedy verify, the draft's atten
 Triton's interpreter for SGLang's spec-path kernels) are described in
 ``sglang_cpu.install_spec_seams``.
 
+EAGLE speculative decoding (``speculative_algorithm="EAGLE"``, topk 1, 2 tokens per verify): the
+draft is a one-layer ``LlamaForCausalLMEagle`` (EAGLE-2, ``sglang/srt/models/llama_eagle.py``) built
+at run time from the target's weights (``build_eagle_draft``), fed the target's hidden states and
+sharing the target's embedding and LM head; it also runs on ``torch_native`` with its own KV pool.
+Same checks as the STANDALONE cases: greedy tokens follow the copy rule and equal HF's greedy tokens
+of the target, every request verified with nearly all drafts accepted (accept length 2.0 of 2 here),
+and every decode-path batch on flydsl was a target verify of 2 rows per request (FP8 KV cache).
+Controls run by hand, then undone: rolling the K cache's pages for decode-path batches inside the
+trace wrapper made the EAGLE case fail on the copy rule (agreement 0.71); zeroing the draft's
+embedding half of ``fc`` left the tokens right but dropped the accept length to 1.04 and failed the
+acceptance check (so the EAGLE draft is what proposes the accepted tokens).
+
+Runtime on 2 idle CPU cores: about 41-50 s for the file, of which the EAGLE case is about 10-11 s.
+
 Run: PYTHONPATH=integration_tests/stubs /path/to/venv-sgl/bin/python -m pytest -q \\
          integration_tests/e2e/test_sglang_spec.py
 """
@@ -23,6 +37,7 @@ Run: PYTHONPATH=integration_tests/stubs /path/to/venv-sgl/bin/python -m pytest -
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,12 +52,37 @@ PAGE = 16
 NEW_TOKENS = 24
 
 
-@pytest.mark.parametrize("draft_tokens", [2, 4])  # the verify query length: bonus token + draft steps
-def test_standalone_speculative_decoding_verifies_on_flydsl(tmp_path_factory, draft_tokens):
+def build_eagle_draft(path, target_dir):
+    """A one-layer EAGLE(-2) draft for the tiny target (``LlamaForCausalLMEagle``,
+    ``sglang/srt/models/llama_eagle.py``): ``fc`` maps [token embedding, target hidden state] to the
+    layer's input, the layer has no ``input_layernorm`` (EAGLE's layer 0) and the model no final
+    norm, and the embedding and LM head are the target's (SGLang's EAGLE worker shares them:
+    ``set_embed_and_head``). Its layer is the target's layer 0 (the planted copy-back head) fed the
+    embedding scaled by sqrt(2) (what RMSNorm makes of these embeddings), with small seeded weights
+    on the hidden-state half: the draft's position p embeds token p + 1, so its head 7 back proposes
+    the copy-rule token and nearly every draft is accepted."""
+    from safetensors.torch import load_file
+
+    w = load_file(str(Path(target_dir) / "model.safetensors"))
+    g = torch.Generator().manual_seed(1)
+    fc = torch.zeros(tm.HIDDEN, 2 * tm.HIDDEN)
+    fc[:, :tm.HIDDEN] = torch.eye(tm.HIDDEN) * 2 ** 0.5
+    fc[:, tm.HIDDEN:] = torch.randn(tm.HIDDEN, tm.HIDDEN, generator=g) * tm.NOISE
+    d = {"fc.weight": fc, "fc.bias": torch.zeros(tm.HIDDEN), "embed_tokens.weight": w["model.embed_tokens.weight"]}
+    d.update({k[len("model."):]: v for k, v in w.items()
+              if k.startswith("model.layers.0.") and "input_layernorm" not in k})
+    cfg = dict(tm.config(), architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+    return tm.write_model(path, cfg, {k: v.to(torch.bfloat16).contiguous() for k, v in d.items()})
+
+
+def _speculate(tmp_path_factory, algorithm, draft_tokens):
+    """Build the target (and the draft ``algorithm`` needs), serve 8 prompts greedily with
+    ``draft_tokens`` per verify, check the tokens and the flydsl trace; returns the outputs."""
     if torch.cuda.is_available():
         pytest.skip("the CPU engine case")
-    root = tmp_path_factory.mktemp("sgl_spec")
-    target, draft = tm.build(root / "target"), tm.build(root / "draft")
+    root = tmp_path_factory.mktemp(f"sgl_{algorithm.lower()}")
+    target = tm.build(root / "target")
+    draft = build_eagle_draft(root / "draft", target) if algorithm == "EAGLE" else tm.build(root / "draft")
     trace, kernels = root / "attention.jsonl", root / "triton_kernels.log"
     mp = pytest.MonkeyPatch()
     sglang_cpu.prepare(root / "platform", mp, speculative=True)
@@ -57,7 +97,7 @@ def test_standalone_speculative_decoding_verifies_on_flydsl(tmp_path_factory, dr
                             page_size=PAGE, device="cpu", skip_tokenizer_init=True, dtype="bfloat16",
                             random_seed=0, disable_cuda_graph=True, max_total_tokens=8192, max_running_requests=8,
                             context_length=1024, log_level="warning", sleep_on_idle=True,
-                            speculative_algorithm="STANDALONE", speculative_draft_model_path=str(draft),
+                            speculative_algorithm=algorithm, speculative_draft_model_path=str(draft),
                             speculative_eagle_topk=1, speculative_num_steps=draft_tokens - 1,
                             speculative_num_draft_tokens=draft_tokens,
                             speculative_draft_attention_backend=sglang_cpu.DRAFT_BACKEND)
@@ -74,7 +114,7 @@ def test_standalone_speculative_decoding_verifies_on_flydsl(tmp_path_factory, dr
         assert tm.copy_rule_agreement(p, g) == 1.0, (p, g)
     assert gen == tm.hf_greedy(target, prompts, NEW_TOKENS)
 
-    # the engine speculated: verify steps ran and (identical draft) nearly every draft was accepted
+    # the engine speculated: verify steps ran and (a copy-rule draft) nearly every draft was accepted
     verify_ct = [o["meta_info"].get("spec_verify_ct", 0) for o in outs]
     accept = [o["meta_info"].get("spec_accept_length", 0) for o in outs]
     assert all(c > 0 for c in verify_ct), verify_ct
@@ -101,3 +141,13 @@ def test_standalone_speculative_decoding_verifies_on_flydsl(tmp_path_factory, dr
     assert {"sglang.kernels.ops.speculative.spec_tree:sgl_build_tree_kernel_efficient_triton",
             "sglang.kernels.ops.speculative.spec_tree:verify_tree_greedy_kernel_triton"} <= launched, launched
     assert not any(k.startswith("pa_backend") for k in launched), launched
+    return outs
+
+
+@pytest.mark.parametrize("draft_tokens", [2, 4])  # the verify query length: bonus token + draft steps
+def test_standalone_speculative_decoding_verifies_on_flydsl(tmp_path_factory, draft_tokens):
+    _speculate(tmp_path_factory, "STANDALONE", draft_tokens)
+
+
+def test_eagle_speculative_decoding_verifies_on_flydsl(tmp_path_factory):
+    _speculate(tmp_path_factory, "EAGLE", 2)
