@@ -142,67 +142,61 @@ def _attend_tile(
     o_d = tl.arange(0, D)
     o_t = tl.arange(0, BT)
     TB: tl.constexpr = BT if BT < BS else BS
+    NT: tl.constexpr = BT // TB
+    o_nt = tl.arange(0, NT)
+    o_tb = tl.arange(0, TB)
+    # NT pieces of TB tokens, each contiguous inside one block
+    blk_idx = tile_start // BS + o_nt  # [NT] table columns
+    if BT >= BS:  # whole blocks: the first token of every piece is the block's first
+        t0 = 0
+    else:  # a block split into BS / BT tiles (tile_start is a multiple of BT)
+        t0 = tl.multiple_of(tile_start % BS, TB)
+    t_p = t0 + o_tb  # [TB] token offsets inside the block
+    # table entries are read only for pieces inside the context (stale ids past a sequence's extent
+    # are never dereferenced); loads are masked per piece, so the mask is constant along the
+    # contiguous axis and the loads still vectorize
+    live_pc = (tile_start + o_nt * TB) < end  # [NT]
+    if MASKED:
+        b = tl.load(p_bt + seq * stride_bt_s + blk_idx, mask=live_pc, other=0).to(tl.int64)
+    else:
+        b = tl.load(p_bt + seq * stride_bt_s + blk_idx).to(tl.int64)
+    # a block id outside the cache (a corrupted table: the reference raises ValueError) reads block 0
+    # instead: the result is meaningless but no load leaves the caches
+    b = tl.where((b >= 0) & (b < num_blocks), b, 0)
+    # with per-token scales and D <= 128 the K/V loads stay masked in both loops too (sm_90: 96
+    # registers, 5 programs/SM, instead of 104 and 4; at D = 256 the masked form spills)
+    LOAD_MASKED: tl.constexpr = MASKED or ((K_PER_TOKEN or V_PER_TOKEN) and D <= 128)
     if QK8:
         # 2-D tiles straight into the FP8 dots' shared memory (no register round trip): K [BT, D] with a
         # per-token row (16-byte chunks along D), V^T [D, BT] with tokens contiguous in runs of 16 inside a
         # block (the hint the compiler cannot derive through the gathered block id: every block holds a
         # multiple of 16 tokens, tiles start at multiples of 16, the host checks the strides)
-        NT8: tl.constexpr = BT // TB
-        o_nt8 = tl.arange(0, NT8)
-        tok = tile_start + o_t
-        live_tp = (tile_start + (o_t // TB) * TB) < end  # per piece of TB tokens (one block)
-        if MASKED:
-            bt_ = tl.load(p_bt + seq * stride_bt_s + tile_start // BS + o_nt8, mask=(tile_start + o_nt8 * TB) < end,
-                          other=0).to(tl.int64)
-        else:
-            bt_ = tl.load(p_bt + seq * stride_bt_s + tile_start // BS + o_nt8).to(tl.int64)
-        bt_ = tl.where((bt_ >= 0) & (bt_ < num_blocks), bt_, 0)
-        bt_ = tl.reshape(tl.broadcast_to(bt_[:, None], (NT8, TB)), (BT,))  # the block id of every token
-        tin = tok % BS
-        k_off = bt_[:, None] * stride_kc_b + tin[:, None] * stride_kc_t + (o_d // 16)[None, :] * stride_kc_c \
+        b_tok = tl.reshape(tl.broadcast_to(b[:, None], (NT, TB)), (BT,))  # the block id of every token
+        tin = (tile_start + o_t) % BS
+        live_tp = (tile_start + (o_t // TB) * TB) < end  # live_pc per token
+        k_off = b_tok[:, None] * stride_kc_b + tin[:, None] * stride_kc_t + (o_d // 16)[None, :] * stride_kc_c \
             + (o_d % 16)[None, :]
         k_off = tl.max_contiguous(tl.multiple_of(k_off, [1, 16]), [1, 16])
         if V5D:
-            v_off = bt_[None, :] * stride_vc_b + (tin // 16)[None, :] * stride_vc_2 + o_d[:, None] * stride_vc_3 \
+            v_off = b_tok[None, :] * stride_vc_b + (tin // 16)[None, :] * stride_vc_2 + o_d[:, None] * stride_vc_3 \
                 + (tin % 16)[None, :]
         else:
-            v_off = bt_[None, :] * stride_vc_b + o_d[:, None] * stride_vc_2 + tin[None, :] * stride_vc_3
+            v_off = b_tok[None, :] * stride_vc_b + o_d[:, None] * stride_vc_2 + tin[None, :] * stride_vc_3
         v_off = tl.max_contiguous(tl.multiple_of(v_off, [1, 16]), [1, 16])
-        if MASKED or ((K_PER_TOKEN or V_PER_TOKEN) and D <= 128):
+        if LOAD_MASKED:
             b_k = tl.load(p_kc + i_h * stride_kc_h + k_off, mask=live_tp[:, None], other=0.0)
             b_vt = tl.load(p_vc + i_h * stride_vc_h + v_off, mask=live_tp[None, :], other=0.0)
         else:
             b_k = tl.load(p_kc + i_h * stride_kc_h + k_off)
             b_vt = tl.load(p_vc + i_h * stride_vc_h + v_off)
-        b = bt_
-        t_p = tin
+        # FP8 K straight from shared memory into FP8 dots; Q = hi + lo / 16 exactly (_split_query_fp8)
+        b_s = tl.dot(b_q, tl.trans(b_k), tl.dot(b_q_lo, tl.trans(b_k)) * 0.0625) * row_scale[:, None]
     else:
-        NT: tl.constexpr = BT // TB
-        o_nt = tl.arange(0, NT)
-        o_tb = tl.arange(0, TB)
         o_tb16 = tl.arange(0, TB // 16)
         o_c = tl.arange(0, D // 16)
         o_16 = tl.arange(0, 16)
-        # NT pieces of TB tokens, each contiguous inside one block; offsets are built with the contiguous
-        # axis last (an arange) so loads vectorize to 16 bytes, then merged to [BT, D]
-        blk_idx = tile_start // BS + o_nt  # [NT] table columns
-        if BT >= BS:  # whole blocks: the first token of every piece is the block's first
-            t0 = 0
-        else:  # a block split into BS / BT tiles (tile_start is a multiple of BT)
-            t0 = tl.multiple_of(tile_start % BS, TB)
-        t_p = t0 + o_tb  # [TB] token offsets inside the block
-        # table entries are read only for pieces inside the context (stale ids past a sequence's extent
-        # are never dereferenced); loads are masked per piece, so the mask is constant along the
-        # contiguous axis and the loads still vectorize
-        live_pc = (tile_start + o_nt * TB) < end  # [NT]
-        if MASKED:
-            b = tl.load(p_bt + seq * stride_bt_s + blk_idx, mask=live_pc, other=0).to(tl.int64)
-        else:
-            b = tl.load(p_bt + seq * stride_bt_s + blk_idx).to(tl.int64)
-        # a block id outside the cache (a corrupted table: the reference raises ValueError) reads block 0
-        # instead: the result is meaningless but no load leaves the caches
-        b = tl.where((b >= 0) & (b < num_blocks), b, 0)
-        # K [NT, TB, D/16, 16] from key_cache[b, h, c, t, 16]
+        # offsets built with the contiguous axis last (an arange) so loads vectorize to 16 bytes, then
+        # merged to [BT, D]; K [NT, TB, D/16, 16] from key_cache[b, h, c, t, 16]
         p_k = p_kc + i_h * stride_kc_h + b[:, None, None, None] * stride_kc_b \
             + t_p[None, :, None, None] * stride_kc_t + o_c[None, None, :, None] * stride_kc_c + o_16[None, None, None, :]
         if V5D:  # value_cache[b, h, t // 16, d, t % 16] as [D, NT, TB/16, 16]
@@ -212,9 +206,7 @@ def _attend_tile(
         else:  # value_cache[b, h, d, t] as [D, NT, TB]
             p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None] * stride_vc_2 + b[None, :, None] * stride_vc_b \
                 + t_p[None, None, :] * stride_vc_3
-        # with per-token scales and D <= 128 the K/V loads stay masked in both loops too (sm_90: 96
-        # registers, 5 programs/SM, instead of 104 and 4; at D = 256 the masked form spills)
-        if MASKED or ((K_PER_TOKEN or V_PER_TOKEN) and D <= 128):
+        if LOAD_MASKED:
             b_k = tl.load(p_k, mask=live_pc[:, None, None, None], other=0.0)
             if V5D:
                 b_v = tl.load(p_v, mask=live_pc[None, :, None, None], other=0.0)
@@ -223,22 +215,14 @@ def _attend_tile(
         else:
             b_k = tl.load(p_k)
             b_v = tl.load(p_v)
-        b_vt = tl.reshape(b_v, (D, BT))  # V^T
-    if QK8:  # FP8 K straight from shared memory into FP8 dots; Q = hi + lo / 16 exactly (_split_query_fp8)
-        b_k = tl.reshape(b_k, (BT, D))
-        b_s = tl.dot(b_q, tl.trans(b_k), tl.dot(b_q_lo, tl.trans(b_k)) * 0.0625) * row_scale[:, None]
-    else:
         b_k = tl.reshape(b_k, (BT, D)).to(tl.float16)
+        b_vt = tl.reshape(b_v, (D, BT))  # V^T
         b_s = tl.dot(b_q, tl.trans(b_k)) * row_scale[:, None]
     # [NT, TB] tokens in the context; the per-token scale loads stay masked in both loops (unmasked,
     # the pipeliner prefetched them into registers: 96 -> 128 registers, 5 -> 4 programs per SM)
-    if QK8:  # per token: the block ids and offsets are already [BT]
-        live_p = tok < end
-    else:
-        live_p = (tile_start + o_nt[:, None] * TB + o_tb[None, :]) < end
+    live_p = (tile_start + o_nt[:, None] * TB + o_tb[None, :]) < end
     if K_PER_TOKEN:
-        ks_t = tl.load(p_ks + b[:, None] * stride_ks_b + i_h * stride_ks_h + t_p[None, :], mask=live_p, other=0.0) \
-            if not QK8 else tl.load(p_ks + b * stride_ks_b + i_h * stride_ks_h + t_p, mask=live_p, other=0.0)
+        ks_t = tl.load(p_ks + b[:, None] * stride_ks_b + i_h * stride_ks_h + t_p[None, :], mask=live_p, other=0.0)
         b_s = b_s * tl.reshape(ks_t, (BT,))[None, :]
     if MASKED:
         tok = tile_start + o_t
@@ -263,8 +247,7 @@ def _attend_tile(
     else:
         b_vt = b_vt.to(tl.float16)
     if V_PER_TOKEN:
-        vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :], mask=live_p, other=0.0) \
-            if not QK8 else tl.load(p_vs + b * stride_vs_b + i_h * stride_vs_h + t_p, mask=live_p, other=0.0)
+        vs_t = tl.load(p_vs + b[:, None] * stride_vs_b + i_h * stride_vs_h + t_p[None, :], mask=live_p, other=0.0)
         b_p = b_p * tl.reshape(vs_t, (BT,))[None, :]
     b_acc = b_acc * alpha[:, None] + tl.dot(b_p.to(tl.float16), tl.trans(b_vt))
     return m_new, b_l, b_acc
