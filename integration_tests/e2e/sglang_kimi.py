@@ -20,7 +20,7 @@ matter in the scheduler, where the model runs):
   a kernel whose module holds ``libdevice`` runs they take the semantics of their ``tl.math``
   namesakes.
 * BF16 under the interpreter: it stores bf16 as uint16 and has no bf16 arithmetic (casts only), so
-  the five entry points above are wrapped (``fp32_compute``): their bf16 tensor arguments go in as
+  the five entry points above are wrapped (``vllm_kimi.fp32_compute``): their bf16 tensor arguments go in as
   FP32 copies with the same strides, arguments the kernel updates in place (the conv state pool,
   a decode ``out`` buffer) are copied back, and the first output is rounded back to bf16. SGLang's
   kernels then compute in FP32 throughout (the decode kernel upcasts its bf16 loads itself; on a
@@ -54,6 +54,7 @@ from __future__ import annotations
 import os
 
 from integration_tests.e2e import sglang_cpu
+from integration_tests.e2e import vllm_kimi  # its interpreter helpers; importing it imports no vLLM
 
 DIST = "flydsl_backends_test_cpu_kimi_platform"
 PLATFORM_NAME = "flydsl_test_cpu_kimi"
@@ -66,63 +67,21 @@ NORM_GATE = "sglang.kernels.ops.attention.fla.fused_norm_gate"
 MLA_DISPATCH = "sglang.srt.models.deepseek_common.attention_backend_handler"
 
 
-def fp32_compute(fn, names, inplace=()):
-    """``fn`` with its named bf16/fp16 tensor arguments replaced by FP32 copies of the same shape and
-    strides (``inplace`` ones copied back after the call) and its output (the first one of a tuple)
-    rounded back to the first such argument's dtype. Other calls pass straight through."""
-    import functools
-    import inspect
-
-    import torch
-
-    if getattr(fn, "_kimi_fp32", False):
-        return fn
-    sig = inspect.signature(fn)
-    low = (torch.bfloat16, torch.float16)
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        bound = sig.bind(*args, **kwargs)
-        arg = bound.arguments
-        lows = [n for n in names if isinstance(arg.get(n), torch.Tensor) and arg[n].dtype in low]
-        if not lows:
-            return fn(*args, **kwargs)
-        dtype = arg[lows[0]].dtype
-        originals = {}
-        for n in lows:
-            t = arg[n]
-            f = torch.empty_strided(t.size(), t.stride(), dtype=torch.float32, device=t.device)
-            f.copy_(t)
-            originals[n], arg[n] = t, f
-        res = fn(*bound.args, **bound.kwargs)
-        for n in inplace:
-            if n in originals:
-                originals[n].copy_(arg[n])
-        if isinstance(res, torch.Tensor):
-            return res.to(dtype)
-        if isinstance(res, tuple) and res and isinstance(res[0], torch.Tensor):
-            return (res[0].to(dtype), *res[1:])
-        return res
-
-    wrapper._kimi_fp32 = True
-    return wrapper
-
-
 def _wrap_kda_triton(mod):
-    mod.chunk_kda = fp32_compute(mod.chunk_kda, ("q", "k", "v", "g", "beta"))
-    mod.fused_recurrent_kda_packed_decode = fp32_compute(
+    mod.chunk_kda = vllm_kimi.fp32_compute(mod.chunk_kda, ("q", "k", "v", "g", "beta"))
+    mod.fused_recurrent_kda_packed_decode = vllm_kimi.fp32_compute(
         mod.fused_recurrent_kda_packed_decode, ("mixed_qkv", "a", "b", "out"), inplace=("out",))
 
 
 def _wrap_kda_backend(mod):
-    mod.causal_conv1d_fn = fp32_compute(mod.causal_conv1d_fn, ("x", "weight", "bias", "conv_states"),
-                                        inplace=("conv_states",))
-    mod.causal_conv1d_update = fp32_compute(mod.causal_conv1d_update, ("x", "conv_state", "weight", "bias"),
-                                            inplace=("conv_state",))
+    mod.causal_conv1d_fn = vllm_kimi.fp32_compute(mod.causal_conv1d_fn, ("x", "weight", "bias", "conv_states"),
+                                                  inplace=("conv_states",))
+    mod.causal_conv1d_update = vllm_kimi.fp32_compute(mod.causal_conv1d_update,
+                                                      ("x", "conv_state", "weight", "bias"), inplace=("conv_state",))
 
 
 def _wrap_norm_gate(mod):
-    mod.rms_norm_gated = fp32_compute(mod.rms_norm_gated, ("x", "g", "weight", "bias"))
+    mod.rms_norm_gated = vllm_kimi.fp32_compute(mod.rms_norm_gated, ("x", "g", "weight", "bias"))
 
 
 def _mla_absorbed_on_torch_native(mod):
@@ -199,7 +158,6 @@ def _patch_lang_libdevice(interpreter):
 def install_seams() -> None:
     from triton.runtime import autotuner, interpreter
 
-    from integration_tests.e2e import vllm_kimi  # its interpreter helpers; importing it imports no vLLM
 
     autotuner.Autotuner.do_bench = property(lambda self: vllm_kimi._no_bench)
     if not getattr(interpreter._patch_lang, "_kimi_cpu", False):

@@ -167,37 +167,43 @@ def _conv_update(x, conv_state, weight, bias, activation, conv_state_indices, qu
     return out.squeeze(-1) if squeeze else out
 
 
-def _f32(t):
-    import torch
-
-    return t.float() if isinstance(t, torch.Tensor) and t.dtype in (torch.bfloat16, torch.float16) else t
-
-
-def _fp32_compute(fn, names):
-    """``fn`` with the named activation arguments (and ``out``) computed in FP32, the first output
-    rounded back to the first named argument's dtype."""
+def fp32_compute(fn, names, inplace=()):
+    """``fn`` with its named bf16/fp16 tensor arguments replaced by FP32 copies of the same shape and
+    strides (``inplace`` ones copied back after the call) and its output (the first one of a tuple)
+    rounded back to the first such argument's dtype. Other calls pass straight through."""
     import functools
     import inspect
 
     import torch
 
+    if getattr(fn, "_kimi_fp32", False):
+        return fn
     sig = inspect.signature(fn)
+    low = (torch.bfloat16, torch.float16)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         bound = sig.bind(*args, **kwargs)
-        first = bound.arguments[names[0]]
-        if first.dtype not in (torch.bfloat16, torch.float16):
+        arg = bound.arguments
+        lows = [n for n in names if isinstance(arg.get(n), torch.Tensor) and arg[n].dtype in low]
+        if not lows:
             return fn(*args, **kwargs)
-        out = bound.arguments.pop("out", None)
-        for n in names:
-            bound.arguments[n] = _f32(bound.arguments[n])
-        o, *rest = fn(*bound.args, **bound.kwargs)
-        o = o.to(first.dtype)
-        if out is not None:
-            out.copy_(o)
-            o = out
-        return (o, *rest)
+        dtype = arg[lows[0]].dtype
+        originals = {}
+        for n in lows:
+            t = arg[n]
+            f = torch.empty_strided(t.size(), t.stride(), dtype=torch.float32, device=t.device)
+            f.copy_(t)
+            originals[n], arg[n] = t, f
+        res = fn(*bound.args, **bound.kwargs)
+        for n in inplace:
+            if n in originals:
+                originals[n].copy_(arg[n])
+        if isinstance(res, torch.Tensor):
+            return res.to(dtype)
+        if isinstance(res, tuple) and res and isinstance(res[0], torch.Tensor):
+            return (res[0].to(dtype), *res[1:])
+        return res
 
     wrapper._kimi_fp32 = True
     return wrapper
@@ -336,7 +342,8 @@ def prepare_cpu() -> None:
     from vllm.models.kimi_k3.nvidia.ops.third_party import kda as kda_ops
 
     if not getattr(kda_ops.chunk_kda_with_fused_gate, "_kimi_fp32", False):
-        kda_ops.chunk_kda_with_fused_gate = _fp32_compute(kda_ops.chunk_kda_with_fused_gate,
-                                                          ("q", "k", "v", "raw_g", "raw_beta"))
-        kda_ops.fused_recurrent_kda_packed_decode = _fp32_compute(kda_ops.fused_recurrent_kda_packed_decode,
-                                                                  ("mixed_qkv", "raw_g", "raw_beta"))
+        kda_ops.chunk_kda_with_fused_gate = fp32_compute(kda_ops.chunk_kda_with_fused_gate,
+                                                         ("q", "k", "v", "raw_g", "raw_beta"))
+        kda_ops.fused_recurrent_kda_packed_decode = fp32_compute(kda_ops.fused_recurrent_kda_packed_decode,
+                                                                 ("mixed_qkv", "raw_g", "raw_beta", "out"),
+                                                                 inplace=("out",))
