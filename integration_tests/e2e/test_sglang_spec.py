@@ -77,7 +77,7 @@ def build_eagle_draft(path, target_dir):
 
 def _speculate(tmp_path_factory, algorithm, draft_tokens):
     """Build the target (and the draft ``algorithm`` needs), serve 8 prompts greedily with
-    ``draft_tokens`` per verify, check the tokens and the flydsl trace; returns the outputs."""
+    ``draft_tokens`` per verify, check the tokens and the flydsl trace."""
     if torch.cuda.is_available():
         pytest.skip("the CPU engine case")
     root = tmp_path_factory.mktemp(f"sgl_{algorithm.lower()}")
@@ -141,7 +141,6 @@ def _speculate(tmp_path_factory, algorithm, draft_tokens):
     assert {"sglang.kernels.ops.speculative.spec_tree:sgl_build_tree_kernel_efficient_triton",
             "sglang.kernels.ops.speculative.spec_tree:verify_tree_greedy_kernel_triton"} <= launched, launched
     assert not any(k.startswith("pa_backend") for k in launched), launched
-    return outs
 
 
 @pytest.mark.parametrize("draft_tokens", [2, 4])  # the verify query length: bonus token + draft steps
