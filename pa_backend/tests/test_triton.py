@@ -73,6 +73,23 @@ def test_explicit_partitions_and_padded_sequence(parts):
     assert (out[0] == 0).all()  # a padded sequence (context 0) gives zeros
 
 
+@pytest.mark.parametrize("rb", [2, 4])
+@pytest.mark.parametrize("prefill", [False, True])
+def test_reduce_merges_partials_chunk_by_chunk(monkeypatch, rb, prefill):
+    """The reduce loads up to PC partitions' partials at a time and merges longer splits chunk by
+    chunk (online rescale): with PC 2 a 5-partition split takes three chunks, the last one part-empty;
+    rows that attended nothing (context 0) stay zero; sinks enter once."""
+    from pa_backend import triton as tmod
+
+    monkeypatch.setattr(tmod, "reduce_tiling", lambda D: (rb, 2, 4))
+    if prefill:  # the planner splits 800 visible tokens into 4 partitions of 256 (pa_prefill takes no hint)
+        check(dict(context_lengths=[800, 300], query_lengths=[3, 2], Hq=4, Hkv=2, D=64, sinks=True), seed=rb)
+        return
+    params = dict(context_lengths=[0, 130, 1, 75], query_length=1, Hq=4, Hkv=2, D=64, sinks=True)
+    out = check(params, seed=rb, num_partitions=7)
+    assert (out[0] == 0).all()
+
+
 def test_planner_is_shape_only_and_bounded():
     from pa_backend.planner import MAX_PARTITIONS, plan_partitions
 

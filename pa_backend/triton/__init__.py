@@ -26,7 +26,7 @@ from ..fp8 import fp8_max
 from ..planner import (FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, QUEUE_SM_SLOTS, plan_partitions, task_queue, work_rows,
                        workspace)
 
-__all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "split_policy", "reduce_warps",
+__all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "split_policy", "reduce_tiling",
            "register_cap", "fp8_qk"]
 
 
@@ -131,8 +131,10 @@ def register_cap(warps: int):
     return 168 if warps == 1 else None
 
 
-def reduce_warps(D: int, BM: int) -> int:
-    return 4 if BM * D <= 8192 else 8
+def reduce_tiling(D: int) -> tuple:
+    """(RB rows per program, PC partitions per loaded chunk, warps) of the reduce kernel: a [PC, RB, D]
+    FP32 tile of partials, 32 values per thread."""
+    return 2, max(1, 4096 // (2 * D)), 4
 
 
 def run(p):
@@ -306,13 +308,14 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
     if L.direct:
         return p.out
     try:
-        pa_decode_reduce_kernel[(L.items, c.Hkv)](
+        rb, pc, warps = reduce_tiling(L.D)
+        pa_decode_reduce_kernel[(L.items, c.Hkv, L.BM // rb)](
             ws_m, ws_l, ws_acc, sinks, p.out, p.context_lengths, chunks, L.queue,
             p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
             p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
             HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
-            RAGGED=not p.is_decode, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots,
-            num_warps=reduce_warps(L.D, L.BM),
+            RAGGED=not p.is_decode, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots, RB=rb, PC=pc,
+            num_warps=warps,
         )
     except BaseException:
         # the reduce zeroes the task counters the partition kernel just used; without it every later
