@@ -192,6 +192,57 @@ def _profile_steps(path: str, first: int = 200, count: int = 400) -> None:
     sglang_cpu._after_import("sglang.srt.managers.tp_worker", patch)
 
 
+KPROFILE_ENV = "FLYDSL_SGL_KPROFILE"
+
+
+def _kernel_profile_steps(spec: str) -> None:
+    """Diagnosis only (``FLYDSL_SGL_KPROFILE=DIR[:FIRST[:COUNT]]``, default steps 600..700: the batch-64
+    runs of ``sglang_engine_bench``): torch.profiler with CUDA activity over those model steps, written to
+    ``DIR/kernels_<pid>.txt``: the window's wall time, the GPU time of every kernel (CUDA-graph replays
+    included) summed, and the kernels by total GPU time — whether the steps are GPU- or host-bound, and
+    which kernels differ between backends."""
+    import time
+
+    path, *rest = spec.split(":")
+    first = int(rest[0]) if rest else 600
+    count = int(rest[1]) if len(rest) > 1 else 100
+
+    def patch(tp_worker):
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        cls = tp_worker.TpModelWorker
+        real = cls.forward_batch_generation
+        state = {"n": 0}
+
+        def forward_batch_generation(self, *args, **kwargs):
+            n = state["n"] = state["n"] + 1
+            if n == first:
+                torch.cuda.synchronize()
+                state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+                state["prof"].__enter__()
+                state["t0"] = time.perf_counter()
+            try:
+                return real(self, *args, **kwargs)
+            finally:
+                if n == first + count and "prof" in state:
+                    torch.cuda.synchronize()
+                    wall = time.perf_counter() - state["t0"]
+                    prof = state.pop("prof")
+                    prof.__exit__(None, None, None)
+                    events = prof.key_averages()
+                    gpu = sum(e.self_device_time_total for e in events) / 1e3
+                    table = events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)
+                    os.makedirs(path, exist_ok=True)
+                    with open(os.path.join(path, f"kernels_{os.getpid()}.txt"), "w") as f:
+                        f.write(f"steps {first}..{first + count}: wall {wall * 1e3:.1f} ms, GPU time of all kernels "
+                                f"{gpu:.1f} ms\n{table}\n")
+
+        cls.forward_batch_generation = forward_batch_generation
+
+    sglang_cpu._after_import("sglang.srt.managers.tp_worker", patch)
+
+
 def activate():
     """Entry point of ``sglang.srt.platforms``: the platform's qualified name (SGLang resolves its
     platform in every process, so the seams are installed here)."""
@@ -200,6 +251,8 @@ def activate():
     _no_cutedsl_dual_gemm()
     if os.environ.get(PROFILE_ENV):
         _profile_steps(os.environ[PROFILE_ENV])
+    if os.environ.get(KPROFILE_ENV):
+        _kernel_profile_steps(os.environ[KPROFILE_ENV])
     if os.environ.get(sglang_cpu.TRACE_ENV):
         sglang_cpu.install_trace(os.environ[sglang_cpu.TRACE_ENV])
     return f"{__name__}:TestCudaPlatform"

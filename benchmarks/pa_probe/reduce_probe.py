@@ -1,0 +1,114 @@
+"""Decode at serving shape: what did the one-round-trip reduce and the unspecialized batch scalars change?
+(H200, issue 15; nothing here ships.)
+
+Variants, each checked against the float64 reference before it is timed (CUDA-graph replay), then
+profiled (torch.profiler: device time per kernel):
+  shipped     the kernels as they are
+  oldreduce   the reduce of 943dc19 (a program per (item, head) looping twice over the partitions),
+              read from git (the device copy carries the landed history), launched on its old grid
+  spec        the shipped kernels re-jitted without do_not_specialize (Triton then specializes the
+              batch scalars: == 1, multiple of 16)
+Cases: B=81/8k and B=200/32k (Hq 16 / Hkv 1), B=32/2k (Hq 32 / Hkv 8), 128k-token and exact tables.
+Run on the GPU machine from the repo root: python3 benchmarks/pa_probe/reduce_probe.py [max_seconds]"""
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+import triton
+
+sys.path.insert(0, os.getcwd())
+from backend_core.timing import copy_bandwidth_gbps, time_cuda_graph  # noqa: E402
+from pa_backend import plan_decode  # noqa: E402
+from pa_backend.benchmark import DEFAULT_CONFIGS, TABLE_TOKENS, accuracy, bench_case, kv_bytes  # noqa: E402
+from pa_backend.triton import pa_decode as kmod  # noqa: E402
+
+budget = float(sys.argv[1]) if len(sys.argv) > 1 else 1e9
+t0 = time.time()
+SHIPPED = (kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel)
+OLD_COMMIT = os.environ.get("PROBE_OLD_COMMIT", "943dc19")
+
+
+class _OldReduce:
+    """The old reduce on its old grid (items, Hkv), without the new tiling arguments."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def __getitem__(self, grid):
+        def launch(*args, RB, PC, num_warps, **kw):
+            return self.k[grid[:2]](*args, num_warps=4 if kw["BM"] * kw["D"] <= 8192 else 8, **kw)
+        return launch
+
+
+def variant(name):
+    if name == "shipped":
+        return SHIPPED
+    if name == "spec":
+        return tuple(triton.jit(k.fn) for k in SHIPPED)
+    src = subprocess.run(["git", "show", f"{OLD_COMMIT}:pa_backend/triton/pa_decode.py"], capture_output=True,
+                         text=True, check=True).stdout
+    path = os.path.join(tempfile.mkdtemp(prefix="reduce_probe_"), "pa_decode_old.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("reduce_probe_old", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return SHIPPED[0], _OldReduce(mod.pa_decode_reduce_kernel)
+
+
+def kernel_times(plan, args, out):
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(5):
+        plan.run(**args, out=out)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(40):
+            plan.run(**args, out=out)
+        torch.cuda.synchronize()
+    return ", ".join(f"{ev.key.split('_kernel')[0].replace('pa_decode_', '')} {ev.device_time_total / ev.count:.1f} us"
+                     for ev in prof.key_averages() if "pa_decode" in ev.key)
+
+
+copy = copy_bandwidth_gbps()
+print(f"copy {copy:.0f} GB/s", flush=True)
+VARIANTS = os.environ.get("PROBE_VARIANTS", "shipped,oldreduce,spec").split(",")
+kernels = {}
+for v in VARIANTS:
+    try:
+        kernels[v] = variant(v)
+    except Exception as exc:
+        print(f"variant {v}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+for case in (DEFAULT_CONFIGS[0], DEFAULT_CONFIGS[3], DEFAULT_CONFIGS[1]):
+    B, ctx, ql, Hq, Hkv, D, bs, scales = case
+    nbytes = kv_bytes(B, ctx, Hkv, D, scales)
+    for width in (TABLE_TOKENS, 0):
+        kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda", table_tokens=width)
+        args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+        out = torch.empty_like(kw["query"])
+        label = f"B={B} ctx={ctx} Hq={Hq}/{Hkv} table={int(kw['block_tables'].shape[1]) * bs}"
+        for rnd in range(2):  # twice, to see order effects
+            for v, (part, red) in kernels.items():
+                if time.time() - t0 > budget:
+                    print("  budget reached", flush=True)
+                    break
+                kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel = part, red
+                try:
+                    plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton")
+                    out.fill_(float("nan"))
+                    plan.run(**args, out=out)
+                    err = accuracy(kw, out)
+                    t = time_cuda_graph(lambda i: plan.run(**args, out=out), inner=2, trials=30)
+                    pct = 100 * nbytes / (t.median_us * 1e-6) / 1e9 / copy
+                    ks = kernel_times(plan, args, out) if rnd == 0 else ""
+                    print(f"  {label} round {rnd} {v}: {t.median_us:.1f} us ({pct:.1f}% of copy) rel.err {err:.2e}"
+                          f"{'; ' + ks if ks else ''}", flush=True)
+                except Exception as exc:
+                    print(f"  {label} {v}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+        kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel = SHIPPED
+        del kw, args, out
+        torch.cuda.empty_cache()
