@@ -9,7 +9,10 @@ profiled (torch.profiler: device time per kernel):
   spec        the shipped kernels re-jitted without do_not_specialize (Triton then specializes the
               batch scalars: == 1, multiple of 16)
 Cases: B=81/8k and B=200/32k (Hq 16 / Hkv 1), B=32/2k (Hq 32 / Hkv 8), 128k-token and exact tables.
-Run on the GPU machine from the repo root: python3 benchmarks/pa_probe/reduce_probe.py [max_seconds]"""
+Run on the GPU machine from the repo root: python3 benchmarks/pa_probe/reduce_probe.py [max_seconds]
+Ran at 591771e (shipped = a one-round-trip reduce, grid items x Hkv x BM/2, since replaced): output in
+reduce_H200_2026-12-04.txt. From the fused merge on (queue launches launch no reduce) the variants time
+only the grid launches' reduce."""
 import importlib.util
 import os
 import subprocess
