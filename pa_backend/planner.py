@@ -100,19 +100,16 @@ def workspace(device: torch.device, items: int, Hkv: int, P: int, BM: int, D: in
             buf[2 * n:n * (D + 2)].view(items, Hkv, P, BM, D))
 
 
-# the partition kernel's counters (int32 per device, zero between launches: a queue launch's programs
-# take tasks from them and its last program sets them back to zero; the merge counters re-arm themselves)
+# the partition kernel's task counter and per-SM program counters (int32 per device, zero between
+# launches: the kernel's programs take tasks from it, the reduce kernel sets it back to zero)
 _QUEUE = DeviceBuffers("pa task queue", [(torch.int32, True)])
 QUEUE_SM_SLOTS = 1024  # per-SM counters (SM ids wrap around past it)
 
 
-def task_queue(device: torch.device, merges: int = 0):
-    """(queue, counts) views of the device's counters: ``queue`` the partition kernel's task counter,
-    then QUEUE_SM_SLOTS per-SM counters; ``counts`` the launch's program count, then ``merges`` merge
-    counters (one per (item, KV head)). Made zeroed on first use or growth: before CUDA-graph capture,
-    by ``reserve`` or an eager call (growth inside a capture raises)."""
-    buf = _QUEUE.get(device, (2 + QUEUE_SM_SLOTS + merges,))[0]
-    return buf[:1 + QUEUE_SM_SLOTS], buf[1 + QUEUE_SM_SLOTS:]
+def task_queue(device: torch.device) -> torch.Tensor:
+    """The device's task counter of the partition kernel, then QUEUE_SM_SLOTS per-SM counters (made
+    zeroed on first use: before CUDA-graph capture, by ``reserve`` or an eager call)."""
+    return _QUEUE.get(device, (1 + QUEUE_SM_SLOTS,))[0]
 
 
 def workspace_bytes(device) -> int:
@@ -142,5 +139,5 @@ def reserve(max_num_seqs: int, Hq: int, Hkv: int, D: int, max_context: int, bloc
                                                MAX_FEW_PROGRAMS_PER_SM).P, BM, D)
                for b in range(1, max_num_seqs + 1))
     _WS.get(device, (need,))
-    task_queue(device, max_num_seqs * Hkv)
+    task_queue(device)
     return workspace_bytes(device)

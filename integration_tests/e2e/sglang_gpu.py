@@ -198,9 +198,9 @@ KPROFILE_ENV = "FLYDSL_SGL_KPROFILE"
 def _kernel_profile_steps(spec: str) -> None:
     """Diagnosis only (``FLYDSL_SGL_KPROFILE=DIR[:FIRST[:COUNT]]``, default steps 600..700: the batch-64
     runs of ``sglang_engine_bench``): torch.profiler with CUDA activity over those model steps, written to
-    ``DIR/kernels_<pid>.txt``: the window's wall time, the GPU time of every kernel (CUDA-graph replays
-    included) summed, and the kernels by total GPU time — whether the steps are GPU- or host-bound, and
-    which kernels differ between backends."""
+    ``DIR/kernels_<pid>.txt``: the window's wall time and the kernels by total GPU time (CUDA-graph
+    replays included; the footer sums them) — whether the steps are GPU- or host-bound, and which
+    kernels differ between backends."""
     import time
 
     path, *rest = spec.split(":")
@@ -230,13 +230,13 @@ def _kernel_profile_steps(spec: str) -> None:
                     wall = time.perf_counter() - state["t0"]
                     prof = state.pop("prof")
                     prof.__exit__(None, None, None)
-                    events = prof.key_averages()
-                    gpu = sum(e.self_device_time_total for e in events) / 1e3
-                    table = events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)
+                    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30,
+                                                      max_name_column_width=70)
                     os.makedirs(path, exist_ok=True)
                     with open(os.path.join(path, f"kernels_{os.getpid()}.txt"), "w") as f:
-                        f.write(f"steps {first}..{first + count}: wall {wall * 1e3:.1f} ms, GPU time of all kernels "
-                                f"{gpu:.1f} ms\n{table}\n")
+                        # the table's footer "Self CUDA time total" is the kernels' GPU time (its step annotation
+                        # rows are spans, not kernels)
+                        f.write(f"steps {first}..{first + count}: wall {wall * 1e3:.1f} ms\n{table}\n")
 
         cls.forward_batch_generation = forward_batch_generation
 

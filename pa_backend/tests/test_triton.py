@@ -256,45 +256,47 @@ def test_cache_over_2gib_uses_64bit_offsets():
 
 def _queue_case():
     # GQA 4 x query length 1 = 16 rows at D 64, page 16: a one-warp decode program (the task queue)
-    params = dict(context_lengths=[40, 1, 333, 97, 0, 900, 260], Hq=8, Hkv=2, D=64)  # 1-4 partitions each
+    params = dict(context_lengths=[40, 1, 333, 97, 0, 260], Hq=8, Hkv=2, D=64)
     from pa_backend.triton import decode_tiling
 
     assert decode_tiling(64, 16, 16)[1] == 1
     return params
 
 
-def _counters_zero():
+def test_task_queue_counters_are_zero_after_every_launch():
+    """One-warp decode programs take tasks from a device counter (and per-SM counters on NVIDIA);
+    the reduce kernel zeroes them, so the next launch finds a full queue."""
     from pa_backend.planner import task_queue
 
-    queue, counts = task_queue(DEVICE)
-    return not queue.any() and not counts.any()
-
-
-def test_task_queue_counters_are_zero_after_every_launch():
-    """One-warp decode programs take tasks from a device counter (and per-SM counters on NVIDIA) and
-    count each (item, head)'s merged partials; the launch leaves every counter at zero, so the next
-    launch finds a full queue and armed merges."""
     params = _queue_case()
     first = check(params)
-    assert _counters_zero()
+    assert not task_queue(DEVICE).any()
     assert torch.equal(check(params), first)  # the next launch does the same work
-    assert _counters_zero()
+    assert not task_queue(DEVICE).any()
 
 
-@pytest.mark.parametrize("sinks", [False, True])
-def test_queue_launch_merges_its_own_partials(monkeypatch, sinks):
-    """Queue launches merge the partials in the partition kernel (each item's last task): no reduce
-    launch, sequences of 1-4 partitions and an empty one, sinks once per row, counters re-armed."""
+def test_task_queue_is_reset_when_the_reduce_launch_fails(monkeypatch):
+    """A failure between the two kernels (the reduce's launch raising) must not leave the counters
+    drained: the launcher zeroes them, and the next call is whole."""
+    from pa_backend.planner import task_queue
     from pa_backend.triton import pa_decode as kmod
+
+    params = _queue_case()
+    want = check(params)
 
     class Failing:
         def __getitem__(self, grid):
-            raise AssertionError("the reduce kernel was launched")
+            def launch(*a, **k):
+                raise RuntimeError("reduce launch failed")
+            return launch
 
-    monkeypatch.setattr(kmod, "pa_decode_reduce_kernel", Failing())
-    out = check(dict(_queue_case(), sinks=sinks), seed=3)
-    assert (out[4] == 0).all()  # context 0: nothing attended (sinks do not change a zero row)
-    assert _counters_zero()
+    with monkeypatch.context() as m:
+        m.setattr(kmod, "pa_decode_reduce_kernel", Failing())
+        case = make_pa_case(**params, device=DEVICE, seed=0)
+        with pytest.raises(RuntimeError, match="reduce launch failed"):
+            case.call("triton")
+    assert not task_queue(DEVICE).any()
+    assert torch.equal(check(params), want)
 
 
 def test_task_queue_only_for_shape_only_plans():
@@ -307,7 +309,7 @@ def test_task_queue_only_for_shape_only_plans():
     kw = dict(case.kwargs)
     args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
     outs, modes = [], []
-    for mc in (None, max(kw["context_lengths"].tolist())):
+    for mc in (None, 333):
         plan = plan_decode(kw["block_tables"], kw["context_lengths"], max_context=mc, backend="triton")
         outs.append(plan.run(**args, out=torch.full_like(kw["query"], float("nan"))))
         modes.append(next(iter(plan.state.values())).queue_mode)

@@ -229,9 +229,7 @@ class _Launch:
         # 142 us; H200, benchmarks/pa_probe/grid_H200_2026-12-04.txt). Larger programs keep the grid.
         self.queue_mode = (p.is_decode and self.warps == 1 and not p.num_partitions
                            and (plan is None or plan.max_context is None))
-        # queue launches: the task and per-SM counters, and the fused merge's counters (launch count, then
-        # one per (item, KV head)); both zero between launches
-        self.queue, self.counts = task_queue(p.device, self.items * c.Hkv if self.queue_mode else 0)
+        self.queue = task_queue(p.device) if self.items else None
         self.tasks = self.items * c.Hkv * self.split.P  # the task space's upper bound (shape-only)
         self.sms = platform.sm_count(p.device) if p.device.type == "cuda" else 4  # interpreter: a few programs
         self.resident_key = (p.device, self.D, self.BM, self.bt, self.warps, self.stages, c.v_transposed,
@@ -288,7 +286,6 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
     sinks = p.sinks if p.sinks is not None else ws_m  # any fp32 pointer when there are none
     k = pa_decode_partition_kernel[grid](
         p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc, sinks, p.out, L.queue,
-        L.counts,
         L.items, sp.P, L.sms, p.softmax_scale, p.sliding_window, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens,
         sp.long_tokens,
         p.query.stride(0), p.query.stride(1), p.out.stride(0), p.out.stride(1),
@@ -300,22 +297,29 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=L.bt, ALIGN=L.align,
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
         V_MAXNUM=L.v_maxnum, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots, DIRECT=L.direct,
-        # read only by launches that write rows (no second compile otherwise)
-        HAS_SINKS=(L.direct or L.queue_mode) and p.sinks is not None,
+        HAS_SINKS=L.direct and p.sinks is not None,  # read only by a direct launch (no second compile otherwise)
         QK8=L.qk8 and _aligned16(kc, vc),
         num_warps=L.warps, num_stages=L.stages, **L.launch_options,
     )
     if L.queue_mode and L.resident_key not in _RESIDENT:
         _RESIDENT[L.resident_key] = platform.resident_programs(p.device, L.warps, k)
-    if L.direct or L.queue_mode:  # the rows are written (queue: merged by each item's last task)
+    if L.direct:
         return p.out
-    pa_decode_reduce_kernel[(L.items, c.Hkv)](
-        ws_m, ws_l, ws_acc, sinks, p.out, p.context_lengths, chunks,
-        p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
-        p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
-        HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
-        RAGGED=not p.is_decode, num_warps=reduce_warps(L.D, L.BM),
-    )
+    try:
+        pa_decode_reduce_kernel[(L.items, c.Hkv)](
+            ws_m, ws_l, ws_acc, sinks, p.out, p.context_lengths, chunks, L.queue,
+            p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
+            p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
+            HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
+            RAGGED=not p.is_decode, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots,
+            num_warps=reduce_warps(L.D, L.BM),
+        )
+    except BaseException:
+        # the reduce zeroes the task counters the partition kernel just used; without it every later
+        # launch on this device would find its queue drained and do nothing
+        if L.queue_mode and not (p.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            L.queue.zero_()
+        raise
     return p.out
 
 

@@ -21,8 +21,7 @@
 #   H200, benchmarks/pa_probe/grid_H200_2026-12-04.txt): B=81/8k ran 89 us against 78 us with an
 #   exact-width table. With the queue the programs of one SM that take tasks are capped at
 #   ceil(tasks / SMs) (per-SM counters by %smid), the batch's longest split bounds the task space, and
-#   the launch's last program to leave sets the counters back to zero for the next launch. Queue
-#   launches merge their own partials (no reduce launch; below).
+#   the reduce kernel sets the counters back to zero for the next launch.
 # The M dimension of the dots is the GQA group times the query rows: row m = i*G + g is query row
 # i for query head h*G + g (M = G*QL padded to BM >= 16), so one KV read serves every query head
 # that shares it.
@@ -62,26 +61,16 @@
 # query rows of one sequence (built once per batch by the plan), each behaving like a decode
 # sequence whose context is what its last row sees.
 #
-# Merging the partials (_merge_partials): the P_s partial (m, l, acc) combined with the softmax
-# rescale, exp(sink - m) added to the denominator when sinks are given, the BM valid rows written
-# (zero when no token was attended). Grid launches run it in a reduce kernel, grid (work items, Hkv).
-# A grid launch whose P is 1 (a plan bounded by a short max context: small batches outside graphs)
-# has nothing to combine: its task writes the rows itself (DIRECT, the same _store_rows). Queue
-# launches merge in the partition kernel (FUSED): a task publishes its partial (GPU-scope fence,
-# barrier, acq_rel count per (item, head) in p_cnt); the last of the item's P_s tasks to count
-# re-arms the count and merges (loads past L1). The reduce launch cost ~10% of the step at B=81/8k
-# (H200: partition 72 us, reduce 7 us, plus the launch gap: benchmarks/pa_probe/reduce_H200_2026-12-04.txt),
-# and the merges now overlap other tasks.
-# A one-round-trip reduce ([PC, RB, D] tiles of partials, grid items x Hkv x BM/RB) was slower there
-# (B=32/2k Hkv 8: 15.4 us vs 4.6 us): not kept.
+# Reduce kernel, grid (work items, Hkv): combines the P_s partial (m, l, acc) with the softmax
+# rescale, adds exp(sink - m) to the denominator when sinks are given, and writes the BM valid rows
+# (zero when no token was attended). A grid launch whose P is 1 (a plan bounded by a short max
+# context: small batches outside graphs) has nothing to combine: its task writes the rows itself
+# (DIRECT, the same _store_rows) and the reduce is not launched.
 #
 # Offsets: block ids and row offsets are int64 (caches > 2 GiB); offsets inside one block are int32.
 
 import triton
 import triton.language as tl
-
-# columns per step of the fused merge (one-warp programs: a [16, 32] FP32 tile is 16 registers a thread)
-MERGE_DC = tl.constexpr(32)
 
 
 @triton.jit
@@ -266,10 +255,10 @@ def _attend_tile(
 
 @triton.jit
 def _store_rows(b_m, b_l, b_acc, p_sinks, p_out, q0, row, grp, m_valid, i_h, stride_o_t, stride_o_h,
-                G: tl.constexpr, D: tl.constexpr, HAS_SINKS: tl.constexpr, d0=0):
-    """The output rows of a merged partial (columns d0 .. d0 + D): l and acc are sums of exp(score - b_m)
-    (natural log; b_m may be -inf when nothing was attended, then both are 0). A sink adds exp(sink - m)
-    to the denominator; a row that attended no token is written as zeros."""
+                G: tl.constexpr, D: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """The output rows of a merged partial: l and acc are sums of exp(score - b_m) (natural log; b_m may
+    be -inf when nothing was attended, then both are 0). A sink adds exp(sink - m) to the denominator;
+    a row that attended no token is written as zeros."""
     attended = b_l > 0
     if HAS_SINKS:
         b_sink = tl.load(p_sinks + i_h * G + grp)
@@ -279,44 +268,9 @@ def _store_rows(b_m, b_l, b_acc, p_sinks, p_out, q0, row, grp, m_valid, i_h, str
         b_l = b_l * w + tl.exp(b_sink - m_base)
         b_acc = b_acc * w[:, None]
     b_o = tl.where(attended[:, None], b_acc / tl.where(b_l > 0, b_l, 1.0)[:, None], 0.0)
-    o_d = d0 + tl.arange(0, D)
+    o_d = tl.arange(0, D)
     p_o = p_out + (q0 + row)[:, None] * stride_o_t + (i_h * G + grp)[:, None] * stride_o_h + o_d[None, :]
     tl.store(p_o, b_o.to(p_out.dtype.element_ty), mask=m_valid[:, None])
-
-
-@triton.jit
-def _merge_partials(p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, base, n_live, q0, row, grp, m_valid, i_h,
-                    stride_o_t, stride_o_h, G: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
-                    HAS_SINKS: tl.constexpr, CACHE: tl.constexpr, DC: tl.constexpr):
-    """The output rows of one (item, head): its n_live partials at ``base`` merged with the softmax
-    rescale, DC columns at a time (the fused merge's registers) (CACHE: the loads' cache modifier; ".cg"
-    reads partials other programs of the same launch wrote, past this SM's L1)."""
-    o_m = tl.arange(0, BM)
-    m_all = tl.full([BM], float("-inf"), dtype=tl.float32)
-    for p in tl.range(0, n_live):
-        m_all = tl.maximum(m_all, tl.load(p_ws_m + base + p * BM + o_m, cache_modifier=CACHE))
-    m_base = tl.where(m_all == float("-inf"), 0.0, m_all)
-    b_l = tl.zeros([BM], dtype=tl.float32)
-    for p in tl.range(0, n_live):
-        w = tl.exp(tl.load(p_ws_m + base + p * BM + o_m, cache_modifier=CACHE) - m_base)
-        b_l += tl.load(p_ws_l + base + p * BM + o_m, cache_modifier=CACHE) * w
-    for d0 in tl.static_range(0, D, DC):
-        o_d = d0 + tl.arange(0, DC)
-        b_acc = tl.zeros([BM, DC], dtype=tl.float32)
-        for p in tl.range(0, n_live):
-            w = tl.exp(tl.load(p_ws_m + base + p * BM + o_m, cache_modifier=CACHE) - m_base)
-            b_acc += tl.load(p_ws_acc + (base + p * BM + o_m)[:, None] * D + o_d[None, :],
-                             cache_modifier=CACHE) * w[:, None]
-        _store_rows(m_base, b_l, b_acc, p_sinks, p_out, q0, row, grp, m_valid, i_h, stride_o_t, stride_o_h, G, DC,
-                    HAS_SINKS, d0)
-
-
-@triton.jit
-def _fence_gpu(x, NV: tl.constexpr):
-    """A GPU-scope memory fence by every thread (NVIDIA); elsewhere the atomics' own ordering."""
-    if NV:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r,r", [x], dtype=tl.int32,
-                                  is_pure=False, pack=1)
 
 
 @triton.jit
@@ -346,10 +300,9 @@ def _partition_task(
     BT: tl.constexpr, ALIGN: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
     V_MAXNUM: tl.constexpr, DIRECT: tl.constexpr, HAS_SINKS: tl.constexpr, QK8: tl.constexpr,
-    p_cnt=None, FUSED: tl.constexpr = False,
 ):
     """Partition i_p of KV head i_h of work item i_s: its tiles, then its (m, l, acc) partial (DIRECT: the
-    output rows; FUSED: the item's last live task to finish also merges the partials into the rows)."""
+    output rows)."""
     o_m = tl.arange(0, BM)
     o_d = tl.arange(0, D)
     row = o_m // G  # query row within the sequence (decode) or chunk (prefill)
@@ -371,10 +324,7 @@ def _partition_task(
     first = tl.where(sliding_window > 0, last - sliding_window + 1, 0)
 
     lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
-    # partials stored: the live ones, and partition 0's empty one when nothing is visible (a fused merge of
-    # that item then writes its rows from it: zeros, or the sinks' share)
-    n_stored = tl.maximum(n_live, 1)
-    live_p_ = i_p < n_stored
+    live_p_ = i_p < n_live
     start = lo + i_p * pt
     end = tl.minimum(tl.minimum(start + pt, ctx), max_tokens)  # never past the table row
     end = tl.maximum(end, start)  # partitions past the span (start >= ctx) have no tiles
@@ -423,18 +373,6 @@ def _partition_task(
         tl.store(p_ws_m + ws + o_m, b_m, mask=live_p_)
         tl.store(p_ws_l + ws + o_m, b_l, mask=live_p_)
         tl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], b_acc, mask=live_p_)
-        if FUSED:
-            if live_p_:
-                # publish the partial (every thread's stores, then one release), count it; the count's
-                # last taker reads the item's partials (acquire) and writes its rows, and re-arms the count
-                _fence_gpu(i_h, V_MAXNUM)
-                tl.debug_barrier()
-                done = tl.atomic_add(p_cnt + i_s * HKV + i_h, 1, sem="acq_rel")
-                if done == n_stored - 1:
-                    tl.store(p_cnt + i_s * HKV + i_h, 0)
-                    _merge_partials(p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, (i_s * HKV + i_h) * P * BM, n_stored,
-                                    q0, row, grp, m_valid, i_h, stride_o_t, stride_o_h, G, BM, D, HAS_SINKS, ".cg",
-                                    MERGE_DC)
 
 
 # Scalars that change with the batch or the plan are not specialized: Triton would otherwise compile a
@@ -448,7 +386,7 @@ BATCH_SCALARS = ("n_items", "P", "num_sms", "sliding_window", "max_tokens", "num
 
 @triton.jit(do_not_specialize=BATCH_SCALARS)
 def pa_decode_partition_kernel(
-    p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_queue, p_cnt,
+    p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_queue,
     n_items, P, num_sms, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
@@ -501,33 +439,43 @@ def pa_decode_partition_kernel(
                 stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
                 stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
                 stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
-                V_MAXNUM, False, HAS_SINKS, QK8, p_cnt + 1, True)
+                V_MAXNUM, False, HAS_SINKS, QK8)
             t = tl.atomic_add(p_queue, 1, sem="relaxed")
-        # the launch's last program to leave sets the task and SM counters back to zero for the next launch
-        # (every program has taken its last task and its SM slot by then; p_cnt[0] counts them)
-        if tl.atomic_add(p_cnt, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-            tl.store(p_queue, 0)
-            if SM_SLOTS > 0:
-                o_sm = tl.arange(0, SM_SLOTS)
-                tl.store(p_queue + 1 + o_sm, tl.zeros([SM_SLOTS], tl.int32))
-            tl.store(p_cnt, 0)
 
 
 @triton.jit(do_not_specialize=("sliding_window", "few_target", "min_pt", "long_pt", "P"))
 def pa_decode_reduce_kernel(
-    p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_cl, p_chunks,
+    p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_cl, p_chunks, p_queue,
     sliding_window, few_target, min_pt, long_pt, P,
     stride_o_t, stride_o_h, stride_cl,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
-    ALIGN: tl.constexpr, HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr,
+    ALIGN: tl.constexpr, HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr,
 ):
     i_s = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
+    if QUEUE:
+        if (i_s == 0) & (i_h == 0):  # the partition kernel has drained the task queue: ready for the next launch
+            tl.store(p_queue, 0)
+            if SM_SLOTS > 0:
+                o_sm = tl.arange(0, SM_SLOTS)
+                tl.store(p_queue + 1 + o_sm, tl.zeros([SM_SLOTS], tl.int32))
     o_m = tl.arange(0, BM)
+    o_d = tl.arange(0, D)
     row = o_m // G
     grp = o_m % G
     seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
     m_valid = (o_m < G * QL) & (row < nrows)
     lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
-    _merge_partials(p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, (i_s * HKV + i_h) * P * BM, n_live, q0, row, grp,
-                    m_valid, i_h, stride_o_t, stride_o_h, G, BM, D, HAS_SINKS, "", D)
+    base = (i_s * HKV + i_h) * P * BM
+    m_all = tl.full([BM], float("-inf"), dtype=tl.float32)
+    for p in tl.range(0, n_live):
+        m_all = tl.maximum(m_all, tl.load(p_ws_m + base + p * BM + o_m))
+    m_base = tl.where(m_all == float("-inf"), 0.0, m_all)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    b_acc = tl.zeros([BM, D], dtype=tl.float32)
+    for p in tl.range(0, n_live):
+        w = tl.exp(tl.load(p_ws_m + base + p * BM + o_m) - m_base)
+        b_l += tl.load(p_ws_l + base + p * BM + o_m) * w
+        b_acc += tl.load(p_ws_acc + (base + p * BM + o_m)[:, None] * D + o_d[None, :]) * w[:, None]
+    _store_rows(m_base, b_l, b_acc, p_sinks, p_out, q0, row, grp, m_valid, i_h, stride_o_t, stride_o_h, G, D,
+                HAS_SINKS)

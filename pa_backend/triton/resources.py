@@ -19,12 +19,10 @@ SHIPPED_CONFIGS = [(D, bs, m, v5, pt) for D in (64, 128, 256) for bs in (16, 64,
 # Decode D=128, M=16, one warp, task queue, capped at 168 registers (register_cap: 12 programs per SM):
 # 4 bytes with tensor scales (H200: B=81/8k 82 us; uncapped, 207 registers and 9 per SM, 129 us), 48 with
 # the 5-D V layout and per-token scales (not timed on the GPU; the 4-D layout with per-token scales ran
-# B=81/8k in 89 us against 99.5 us before the queue). With the fused merge (each item's last task merges
-# the partials) 12 and 20 bytes, all of them in the task's prologue, before the tile loops (nvdisasm of
-# the sm_90a cubin: no STL/LDL between the first and the last HMMA).
+# B=81/8k in 89 us against 99.5 us before the queue).
 # The same prefill program writing its rows itself (P = 1, no reduce): 244 bytes (not timed alone; the
 # engine's eager steps run it).
-SPILL_ALLOWED = {("prefill", 128, 256): 512, ("direct-prefill", 128, 256): 512, (128, 16, 16, False, False): 12,
+SPILL_ALLOWED = {("prefill", 128, 256): 512, ("direct-prefill", 128, 256): 512, (128, 16, 16, False, False): 4,
                  (128, 16, 16, True, True): 48}
 
 
@@ -42,7 +40,7 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
     for n in inspect.signature(fn.fn).parameters:
         if n in ("p_kc", "p_vc"):
             types[n] = "*fp8e4nv"
-        elif n in ("p_bt", "p_cl", "p_slots", "p_chunks", "p_queue", "p_cnt"):
+        elif n in ("p_bt", "p_cl", "p_slots", "p_chunks", "p_queue"):
             types[n] = "*i32"
         elif n in ("p_q", "p_out", "p_k", "p_v"):
             types[n] = "*bf16"
@@ -81,7 +79,8 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
     else:
         from . import reduce_warps
 
-        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, ALIGN=64, HAS_SINKS=True, RAGGED=ragged)
+        constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, ALIGN=64, HAS_SINKS=True, RAGGED=ragged, QUEUE=True,
+                          SM_SLOTS=256)
         warps, stages = reduce_warps(D, BM), 3
     if kernel in ("partition", "write") and not v5d:
         # Triton specializes an integer argument equal to 1 as a constant at launch: the 4-D V
