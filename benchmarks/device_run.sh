@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify bench-kda bench-pa sweep-pa e2e-vllm
-# e2e-kimi tests-e2e-vllm e2e-sglang
+# e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang
 # probe-warps probe-grid profile-vllm
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
@@ -80,6 +80,12 @@ for step in $steps; do
     # needs .whl/extra and .whl/vllm (make_device_bundle.sh sglang and vllm)
     e2e-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m integration_tests.e2e.sglang_engine_bench
                      --out "$out/e2e-sglang") ;;
+    # the OpenAI / HTTP servers on the GPU (the CPU CI's server cases): vllm serve and SGLang's launch_server,
+    # one greedy request each through the front end, eager; need the servers' wheels of make_device_bundle.sh
+    serve-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider -rfs
+                     integration_tests/e2e/test_vllm_serve.py) ;;
+    serve-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider -rfs
+                       integration_tests/e2e/test_sglang_serve.py) ;;
     tests-kda) cmd=(python3 -m pytest -q -m gpu kda_backend -p no:cacheprovider -rf) ;;
     # the PA interpreter tests pick the GPU when there is one: run them all (write_kv, safety cases)
     tests-pa) cmd=(python3 -m pytest -q pa_backend -p no:cacheprovider -rf) ;;

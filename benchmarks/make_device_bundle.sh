@@ -20,7 +20,10 @@
 # * .whl/extra/*.whl: what the modules those tests import need beyond the image and the vllm bundle's
 #   wheels (found by listing the site-packages modules an import of them loads: 2026-12-04), plus what
 #   sglang.Engine's processes import (e2e-sglang): setproctitle (scheduler, detokenizer) and python-multipart
-#   (fastapi form routes), the rest being in the image or the vllm bundle (CPU engine's module list, 2026-12-04).
+#   (fastapi form routes), the rest being in the image or the vllm bundle (CPU engine's module list, 2026-12-04);
+#   and for launch_server soundfile (with cffi, pycparser) and jsonschema (with referencing, rpds-py,
+#   jsonschema-specifications). The vllm bundle carries the servers' uvicorn, and vllm serve's watchfiles,
+#   prometheus-fastapi-instrumentator, model-hosting-container-standards and jmespath.
 # Prints the sizes: everything a call carries, the repository included, must stay under 64 MiB.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -57,7 +60,9 @@ PY
 if [ "$what" = sglang ]; then
   tar czf "$dest/sglang-$version-py.tar.gz" -C "$site" --exclude='*.so' --exclude='__pycache__' --exclude='*.pyc' \
     sglang "sglang-$version.dist-info"
-  wheels=$(pins gguf traitlets opentelemetry-api dill uvicorn ipython setproctitle python-multipart)  # exits if one is missing
+  # launch_server (integration_tests/e2e/test_sglang_serve.py): soundfile, jsonschema and what they need
+  wheels=$(pins gguf traitlets opentelemetry-api dill ipython setproctitle python-multipart soundfile cffi pycparser \
+           jsonschema referencing rpds-py jsonschema-specifications)  # exits if one is missing
   # shellcheck disable=SC2086
   download $wheels
   du -cb "$dest"/* | awk 'END {printf "bundle .whl/extra: %.1f MiB\n", $1 / 1048576}'
@@ -73,7 +78,8 @@ tar czf "$dest/vllm-$version-py.tar.gz" -C "$site" \
 # imported by vLLM 0.33 (LLM engine, V1 runner) and absent from the GPU image; pinned to the venv's versions
 deps=(annotated-types apache-tvm-ffi cachetools cbor2 compressed-tensors fastapi httpcore2 httpx2 llguidance
       loguru msgspec openai openai-harmony orjson partial-json-parser pybase64 pydantic pydantic-core pyzmq
-      sniffio starlette truststore typing-inspection xgrammar typing-extensions jiter)
+      sniffio starlette truststore typing-inspection xgrammar typing-extensions jiter
+      uvicorn watchfiles prometheus-fastapi-instrumentator model-hosting-container-standards jmespath)  # + vllm serve
 wheels=$(pins "${deps[@]}")  # exits if one is missing
 # shellcheck disable=SC2086
 download $wheels

@@ -1,13 +1,15 @@
 """``python -m sglang.launch_server --attention-backend flydsl`` (SGLang 0.5.23's HTTP server) with an
-FP8 KV cache, on CPU (issue 16).
+FP8 KV cache (issue 16), on CPU (CI) or on an NVIDIA GPU (``benchmarks/device_run.sh serve-sglang``).
 
 The server runs as a subprocess on the run-time model of ``tiny_model`` with its word-level
-tokenizer, on the test-side CPU platform of ``sglang_cpu`` (declared through SGLang's platform
-entry-point group; the server's scheduler and detokenizer processes find it too). One ``/generate``
-request (two text prompts, greedy) goes through the HTTP front end, the tokenizer, the scheduler and
-the detokenizer; the answer must follow the model's copy rule and equal HF transformers' greedy
-tokens, and the scheduler's attention trace and log must show the flydsl backend's paged attention
-running. SIGTERM to the server process then has to stop it and its children.
+tokenizer, on a test-side platform declared through SGLang's platform entry-point group (the
+server's scheduler and detokenizer processes find it too): ``sglang_cpu``'s CPU platform, or on a
+GPU ``sglang_gpu``'s CUDA platform without sgl_kernel; eager (no CUDA graphs, so every decode is
+traced). One ``/generate`` request (two text prompts, greedy) goes through the HTTP front end, the
+tokenizer, the scheduler and the detokenizer; the answer must follow the model's copy rule and equal
+HF transformers' greedy tokens, and the scheduler's attention trace and log must show the flydsl
+backend's paged attention running (the torch reference on CPU, the Triton kernels on a GPU).
+SIGTERM to the server process then has to stop it and its children.
 
 About 40 s on 2 cores. ``FLYDSL_E2E_SKIP_SERVE=1`` skips it.
 """
@@ -38,15 +40,27 @@ pytestmark = pytest.mark.skipif(os.environ.get("FLYDSL_E2E_SKIP_SERVE") == "1",
                                 reason="FLYDSL_E2E_SKIP_SERVE=1")
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class Server(ServerProcess):
     def __init__(self, model_dir: Path, workdir: Path):
         super().__init__(workdir / "server.log")
         self.trace = workdir / "attention.jsonl"
-        env = dict(os.environ, **sglang_cpu.prepare(workdir / "platform"), **{sglang_cpu.TRACE_ENV: str(self.trace)})
+        if _cuda():
+            from integration_tests.e2e import sglang_gpu
+
+            platform_env, device = sglang_gpu.prepare(workdir / "platform"), "cuda"
+        else:
+            platform_env, device = sglang_cpu.prepare(workdir / "platform"), "cpu"
+        env = dict(os.environ, **platform_env, **{sglang_cpu.TRACE_ENV: str(self.trace)})
         cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(model_dir),
                "--host", "127.0.0.1", "--port", str(self.port),
                "--attention-backend", "flydsl", "--kv-cache-dtype", "fp8_e4m3", "--page-size", "16",
-               "--device", "cpu", "--dtype", "bfloat16", "--disable-cuda-graph", "--max-total-tokens", "4096",
+               "--device", device, "--dtype", "bfloat16", "--disable-cuda-graph", "--max-total-tokens", "4096",
                "--max-running-requests", "8", "--random-seed", "0",
                "--sleep-on-idle"]  # an idle scheduler otherwise polls at 100% of a core
         self.start(cmd, env)
@@ -79,10 +93,6 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("the CPU server case")
     srv = Server(model_dir, tmp_path_factory.mktemp("sgl_serve"))
     try:
         srv.wait_ready()
@@ -118,9 +128,11 @@ def test_generate_follows_the_kv_and_matches_hf(server, model_dir):
     assert {c["kv_dtype"] for c in calls} == {"torch.float8_e4m3fn"}
     assert server.proc.pid not in {c["pid"] for c in calls}  # the scheduler process ran them
     log = server.log_text()
-    # the scheduler's paged-attention calls went through this project's registry (torch on CPU)
+    # the scheduler's paged-attention calls went through this project's registry (torch on CPU, the Triton
+    # kernels on a GPU)
+    impl = "triton" if _cuda() else "torch"
     for op in ("write_kv", "pa_prefill", "pa_decode"):
-        assert f"{op}: backend='auto' chose 'torch'" in log, log[-4000:]
+        assert f"{op}: backend='auto' chose '{impl}'" in log, log[-4000:]
 
 
 def test_sigterm_stops_the_server(server):

@@ -1,13 +1,15 @@
 """``vllm serve`` (vLLM 0.33's OpenAI API server) with ``--attention-backend FLYDSL`` and an FP8 KV
-cache, on CPU (issue 16 item 1).
+cache (issue 16 item 1), on CPU (CI) or on an NVIDIA GPU (``benchmarks/device_run.sh serve-vllm``).
 
-The server runs as a subprocess (``python -m integration_tests.e2e.serve_cpu``: ``vllm serve``'s
-own command line, plus the CPU-extension stand-ins in the API-server and spawned engine-core
-processes) for the run-time model of ``tiny_model`` with its word-level tokenizer. One
-``/v1/completions`` request (two prompts, greedy) goes through the HTTP front end, the tokenizer,
-the engine core and back; the answer must follow the model's copy rule and equal HF transformers'
-greedy tokens, and the server log must show the FLYDSL backend's paged-attention path running in
-the engine core. SIGTERM then has to shut the server down with exit status 0.
+The server runs as a subprocess (``python -m integration_tests.e2e.vllm_serve``: ``vllm serve``'s
+own command line, plus the extension stand-ins in the API-server and engine-core processes: the
+CPU ones of ``vllm_cpu``, or on a GPU those of ``vllm_gpu`` with its native-op engine arguments) for
+the run-time model of ``tiny_model`` with its word-level tokenizer, eager. One ``/v1/completions``
+request (two prompts, greedy) goes through the HTTP front end, the tokenizer, the engine core and
+back; the answer must follow the model's copy rule and equal HF transformers' greedy tokens, and the
+server log must show the FLYDSL backend's paged-attention path running in the engine core (the torch
+reference on CPU, the Triton kernels on a GPU). SIGTERM then has to shut the server down with exit
+status 0.
 
 About 55 s on 2 cores (the server starts in ~30 s). ``FLYDSL_E2E_SKIP_SERVE=1`` skips it.
 """
@@ -38,17 +40,32 @@ pytestmark = pytest.mark.skipif(os.environ.get("FLYDSL_E2E_SKIP_SERVE") == "1",
                                 reason="FLYDSL_E2E_SKIP_SERVE=1")
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 class Server(ServerProcess):
     def __init__(self, model_dir: Path, log_path: Path):
         super().__init__(log_path)
         self.model = str(model_dir)
-        env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-        cmd = [sys.executable, "-m", "integration_tests.e2e.serve_cpu", self.model,
+        if _cuda():
+            from integration_tests.e2e import vllm_gpu
+
+            # the engine core in its own process, as vllm serve runs it (vllm_gpu.ENV keeps it in process)
+            env.update(FLYDSL_E2E_CUDA="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
+            device_args = vllm_gpu.serve_args("eager")
+        else:
+            env.update(VLLM_TARGET_DEVICE="cpu")
+            device_args = ["--enforce-eager", "-cc", '{"custom_ops": ["none"]}']
+        cmd = [sys.executable, "-m", "integration_tests.e2e.vllm_serve", self.model,
                "--host", "127.0.0.1", "--port", str(self.port),
                "--attention-backend", "FLYDSL", "--kv-cache-dtype", "fp8", "--block-size", "16",
-               "--dtype", "bfloat16", "--enforce-eager", "--max-model-len", "2048", "--max-num-seqs", "8",
-               "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", "-cc", '{"custom_ops": ["none"]}']
+               "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "8",
+               "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", *device_args]
         self.start(cmd, env)
 
     def stop(self) -> int:
@@ -78,10 +95,6 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("the CPU server case")
     srv = Server(model_dir, tmp_path_factory.mktemp("serve_log") / "server.log")
     try:
         srv.wait_ready()
@@ -113,9 +126,11 @@ def test_completions_follow_the_kv_and_match_hf(server, model_dir):
 
     log = server.log_text()
     assert "flydsl-backends: vLLM plugin registered" in log
-    # the engine core's paged-attention calls went through this project's registry (torch on CPU)
-    assert re.search(r"\(EngineCore\) INFO flydsl_backends: pa_(decode|prefill): backend='auto' chose 'torch'", log), \
-        log[-4000:]
+    # the engine core's paged-attention calls went through this project's registry (torch on CPU, the Triton
+    # kernels on a GPU)
+    impl = "triton" if _cuda() else "torch"
+    assert re.search(rf"\(EngineCore[^)]*\) INFO flydsl_backends: pa_(decode|prefill): backend='auto' chose '{impl}'",
+                     log), log[-4000:]
 
 
 def test_sigterm_shuts_down_cleanly(server):

@@ -177,6 +177,23 @@ def inspect_models_in_process() -> None:
     registry._run_in_subprocess = lambda fn: fn()
 
 
+def serve_args(mode: str = "eager") -> list:
+    """``vllm serve`` options equal to ``engine_kwargs(mode)`` (eager or graphs): the same kernel and
+    compilation settings as JSON."""
+    import dataclasses
+    import json
+
+    if mode not in ("eager", "graphs"):
+        raise ValueError(f"mode: expected 'eager' or 'graphs', got {mode!r}")
+    kw = engine_kwargs(mode)
+    k = kw["kernel_config"]
+    kernel = {"ir_op_priority": dataclasses.asdict(k.ir_op_priority),
+              "enable_flashinfer_autotune": k.enable_flashinfer_autotune,
+              "enable_cutedsl_warmup": k.enable_cutedsl_warmup, "enable_jit_warmup": k.enable_jit_warmup}
+    args = ["--kernel-config", json.dumps(kernel), "-cc", json.dumps(kw["compilation_config"])]
+    return args + (["--enforce-eager"] if kw.get("enforce_eager") else [])
+
+
 MODES = ("eager", "graphs", "compiled")
 
 

@@ -1,18 +1,22 @@
-"""``vllm serve`` on a CPU machine without vLLM's compiled CPU extension (issue 16).
+"""``vllm serve`` without vLLM's compiled extensions (issue 16), on CPU or on an NVIDIA GPU.
 
-    VLLM_TARGET_DEVICE=cpu python -m integration_tests.e2e.serve_cpu MODEL_DIR \\
+    VLLM_TARGET_DEVICE=cpu python -m integration_tests.e2e.vllm_serve MODEL_DIR \\
         --attention-backend FLYDSL --kv-cache-dtype fp8 --block-size 16 --port 8000 ...
+    FLYDSL_E2E_CUDA=1 python -m integration_tests.e2e.vllm_serve MODEL_DIR ... $(vllm_gpu.serve_args)
 
 Everything after the module name is ``vllm serve``'s own command line; the server runs in this
 process through vLLM's CLI entry point (``vllm.entrypoints.cli.main``), as the ``vllm`` script
-would run it.
+would run it. ``FLYDSL_E2E_CUDA=1``: the GPU stand-ins of ``vllm_gpu`` (the CUDA extensions vLLM
+cannot load on the device image) instead of ``vllm_cpu``'s CPU ones; the engine arguments that keep
+every op on its native path come from ``vllm_gpu.serve_args``.
 
 vLLM's OpenAI server always runs the engine core in a separate process, and the CPU platform
 starts it with ``spawn``. A spawned child imports the parent's main module under the name
 ``__mp_main__`` before it unpickles its arguments, so this module's top level is where the child
-gets what ``vllm_cpu.prepare()`` supplies (the CPU-extension stand-ins, the platform honouring the
-named backend) and the installed ``vllm.general_plugins`` (the ``FLYDSL`` member must exist before
-the engine config that names it is unpickled). Nothing happens on a plain ``import`` of this module.
+gets what ``prepare()`` supplies (the extension stand-ins, the platform honouring the named
+backend) and the installed ``vllm.general_plugins`` (the ``FLYDSL`` member must exist before the
+engine config that names it is unpickled); a forked child inherits them. Nothing happens on a plain
+``import`` of this module.
 
 The ``flydsl_backends`` loggers print to stderr at INFO in both processes, so the server log shows
 the plugin registering and which implementation the paged-attention calls chose.
@@ -33,9 +37,16 @@ def _prepare_process() -> None:
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
-    from integration_tests.e2e import vllm_cpu
+    import os
 
-    vllm_cpu.prepare()
+    if os.environ.get("FLYDSL_E2E_CUDA") == "1":
+        from integration_tests.e2e import vllm_gpu
+
+        vllm_gpu.prepare()
+    else:
+        from integration_tests.e2e import vllm_cpu
+
+        vllm_cpu.prepare()
     from vllm.plugins import load_general_plugins
 
     load_general_plugins()
