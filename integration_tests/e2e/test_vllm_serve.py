@@ -55,6 +55,7 @@ class Server(ServerProcess):
         if _cuda():
             from integration_tests.e2e import vllm_gpu
 
+            vllm_gpu.prepare()  # this process reads vLLM's config classes (serve_args): the CUDA platform's imports
             # the engine core in its own process, as vllm serve runs it (vllm_gpu.ENV keeps it in process)
             env.update(FLYDSL_E2E_CUDA="1", VLLM_ENABLE_V1_MULTIPROCESSING="1")
             device_args = vllm_gpu.serve_args("eager")
