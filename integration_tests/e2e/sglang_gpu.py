@@ -99,6 +99,17 @@ def _platform_class():
         def get_group_coordinator_device(self, local_rank: int):
             return torch.device(f"cuda:{local_rank}")
 
+        # speculative decoding as on the CPU platform (sglang_cpu.install_spec_seams: SGLang's Triton tree
+        # kernels, a torch_native draft), its Triton kernels native here
+        def supports_speculative_algorithm(self, algorithm: str) -> bool:
+            return algorithm in sglang_cpu.SPEC_ALGORITHMS
+
+        def supports_speculative_draft_attention_backend(self, algorithm: str, backend: str) -> bool:
+            return algorithm in sglang_cpu.SPEC_ALGORITHMS and backend == sglang_cpu.DRAFT_BACKEND
+
+        def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
+            return sglang_cpu.DRAFT_BACKEND
+
     return TestCudaPlatform
 
 
@@ -255,10 +266,14 @@ def activate():
         _kernel_profile_steps(os.environ[KPROFILE_ENV])
     if os.environ.get(sglang_cpu.TRACE_ENV):
         sglang_cpu.install_trace(os.environ[sglang_cpu.TRACE_ENV])
+    if os.environ.get(sglang_cpu.SPEC_ENV):
+        sglang_cpu.install_spec_seams()
     return f"{__name__}:TestCudaPlatform"
 
 
-def prepare(tmpdir, monkeypatch=None) -> dict:
+def prepare(tmpdir, monkeypatch=None, speculative=False) -> dict:
     """Declare the platform in ``tmpdir`` and return the environment of SGLang's processes (applied
-    to this process too with pytest's ``monkeypatch``; see ``sglang_cpu.declare_platform``)."""
-    return sglang_cpu.declare_platform(tmpdir, DIST, PLATFORM_NAME, f"{__name__}:activate", ENV, monkeypatch)
+    to this process too with pytest's ``monkeypatch``; see ``sglang_cpu.declare_platform``).
+    ``speculative``: the seams of ``sglang_cpu.install_spec_seams`` in the scheduler (no interpreter)."""
+    env = dict(ENV, **({sglang_cpu.SPEC_ENV: "1"} if speculative else {}))
+    return sglang_cpu.declare_platform(tmpdir, DIST, PLATFORM_NAME, f"{__name__}:activate", env, monkeypatch)

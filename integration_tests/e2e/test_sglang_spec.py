@@ -78,14 +78,18 @@ def build_eagle_draft(path, target_dir):
 def _speculate(tmp_path_factory, algorithm, draft_tokens):
     """Build the target (and the draft ``algorithm`` needs), serve 8 prompts greedily with
     ``draft_tokens`` per verify, check the tokens and the flydsl trace."""
-    if torch.cuda.is_available():
-        pytest.skip("the CPU engine case")
+    cuda = torch.cuda.is_available()  # the GPU run: sglang_gpu's platform, SGLang's spec kernels native
     root = tmp_path_factory.mktemp(f"sgl_{algorithm.lower()}")
     target = tm.build(root / "target")
     draft = build_eagle_draft(root / "draft", target) if algorithm == "EAGLE" else tm.build(root / "draft")
     trace, kernels = root / "attention.jsonl", root / "triton_kernels.log"
     mp = pytest.MonkeyPatch()
-    sglang_cpu.prepare(root / "platform", mp, speculative=True)
+    if cuda:
+        from integration_tests.e2e import sglang_gpu
+
+        sglang_gpu.prepare(root / "platform", mp, speculative=True)
+    else:
+        sglang_cpu.prepare(root / "platform", mp, speculative=True)
     mp.setenv(sglang_cpu.TRACE_ENV, str(trace))
     mp.setenv(sglang_cpu.TRITON_LOG_ENV, str(kernels))
     import sglang
@@ -94,7 +98,7 @@ def _speculate(tmp_path_factory, algorithm, draft_tokens):
     eng = None
     try:
         eng = sglang.Engine(model_path=str(target), attention_backend="flydsl", kv_cache_dtype="fp8_e4m3",
-                            page_size=PAGE, device="cpu", skip_tokenizer_init=True, dtype="bfloat16",
+                            page_size=PAGE, device="cuda" if cuda else "cpu", skip_tokenizer_init=True, dtype="bfloat16",
                             random_seed=0, disable_cuda_graph=True, max_total_tokens=8192, max_running_requests=8,
                             context_length=1024, log_level="warning", sleep_on_idle=True,
                             speculative_algorithm=algorithm, speculative_draft_model_path=str(draft),
@@ -137,6 +141,8 @@ def _speculate(tmp_path_factory, algorithm, draft_tokens):
     # some verify's query rows straddle a page end (its context ends 1..n-1 tokens into a new page)
     assert any(0 < ctx % PAGE < draft_tokens for c in decode for ctx in c["ctx"])
 
+    if cuda:  # the kernel log records interpreted launches (CPU) only
+        return
     launched = {line.split()[0] for line in kernels.read_text().splitlines()} if kernels.exists() else set()
     assert {"sglang.kernels.ops.speculative.spec_tree:sgl_build_tree_kernel_efficient_triton",
             "sglang.kernels.ops.speculative.spec_tree:verify_tree_greedy_kernel_triton"} <= launched, launched
