@@ -137,7 +137,11 @@ def _speculate(tmp_path_factory, algorithm, draft_tokens):
     assert max(len(c["rows"]) for c in decode) == len(prompts)
     plans = {c["plan"] for c in decode}
     assert len(plans) >= max(verify_ct), (len(plans), verify_ct)
-    assert sum(len(c["rows"]) for c in decode) // tm.LAYERS == sum(verify_ct), (len(decode), verify_ct)
+    # every counted verify ran on flydsl; on a GPU SGLang's overlap scheduler may already have launched one
+    # more verify for a request whose last counted one finished it (its result is dropped): H200, 4 tokens
+    # per verify, 56 verify rows per layer for 48 counted verifies of 8 requests
+    verified = sum(len(c["rows"]) for c in decode) // tm.LAYERS
+    assert sum(verify_ct) <= verified <= sum(verify_ct) + (len(prompts) if cuda else 0), (len(decode), verify_ct)
     # some verify's query rows straddle a page end (its context ends 1..n-1 tokens into a new page)
     assert any(0 < ctx % PAGE < draft_tokens for c in decode for ctx in c["ctx"])
 
