@@ -21,10 +21,11 @@ import time
 import torch
 
 sys.path.insert(0, os.getcwd())
-from backend_core.timing import copy_bandwidth_gbps, time_cuda_graph  # noqa: E402
+from backend_core.timing import copy_bandwidth_gbps  # noqa: E402
 from pa_backend import plan_decode  # noqa: E402
-from pa_backend.benchmark import DEFAULT_CONFIGS, MIXED_CONFIG, TABLE_TOKENS, accuracy, bench_case, kv_bytes  # noqa: E402
+from pa_backend.benchmark import DEFAULT_CONFIGS, MIXED_CONFIG, TABLE_TOKENS, bench_case, kv_bytes  # noqa: E402
 from pa_backend.triton import pa_decode as kmod  # noqa: E402
+from probe_util import checked_timing, kernel_times  # noqa: E402  (this script's folder is on sys.path)
 
 budget = float(sys.argv[1]) if len(sys.argv) > 1 else 1e9
 t0 = time.time()
@@ -98,12 +99,8 @@ def setup(case, width):
 
 def timed(kw, args, out, plan, nbytes):
     """(median us, % of copy, rel. err, the plan's P) of one planned decode, checked before timed."""
-    out.fill_(float("nan"))
-    plan.run(**args, out=out)
-    err = accuracy(kw, out)
-    t = time_cuda_graph(lambda i: plan.run(**args, out=out), inner=2, trials=30)
-    pct = 100 * nbytes / (t.median_us * 1e-6) / 1e9 / copy
-    return f"{t.median_us:.1f} us ({pct:.1f}% of copy) rel.err {err:.2e}", next(iter(plan.state.values())).split.P
+    us, pct, err = checked_timing(plan, kw, args, out, nbytes, copy)
+    return f"{us:.1f} us ({pct:.1f}% of copy) rel.err {err:.2e}", next(iter(plan.state.values())).split.P
 
 
 copy = copy_bandwidth_gbps()
@@ -169,8 +166,6 @@ if os.environ.get("PROBE_ISOLATE"):
 # B=81/8k with the grid's P at 14 (the exact table's), 20 and 53 (the 128k table's), and the partition
 # kernel alone.
 if os.environ.get("PROBE_KERNELS"):
-    from torch.profiler import ProfilerActivity, profile
-
     B, ctx, ql, Hq, Hkv, D, bs, scales = CASES[0]
     kw, args, out = setup(CASES[0], TABLE_TOKENS)
     for pps in ("0", "12", "8"):  # P = 53, 20, 14 with one-warp programs at B=81
@@ -178,18 +173,10 @@ if os.environ.get("PROBE_KERNELS"):
         if pps != "0":
             os.environ["FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM"] = pps
         plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton")
-        for _ in range(5):
-            plan.run(**args, out=out)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(50):
-                plan.run(**args, out=out)
-            torch.cuda.synchronize()
+        times = kernel_times(plan, args, out, runs=50)
         P = next(iter(plan.state.values())).split.P
-        for ev in prof.key_averages():
-            if "pa_decode" in ev.key:
-                print(f"  kernels B=81/8k P={P} {ev.key}: {ev.device_time_total / ev.count:.1f} us x {ev.count}",
-                      flush=True)
+        for key, (us, n) in times.items():
+            print(f"  kernels B=81/8k P={P} {key}: {us:.1f} us x {n}", flush=True)
     os.environ.pop("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", None)
 
 # PROBE_SMID=1: how are the live programs spread over the SMs when the grid holds dead ones? Each live

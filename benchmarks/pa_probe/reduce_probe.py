@@ -24,9 +24,10 @@ import torch
 import triton
 
 sys.path.insert(0, os.getcwd())
-from backend_core.timing import copy_bandwidth_gbps, time_cuda_graph  # noqa: E402
+from backend_core.timing import copy_bandwidth_gbps  # noqa: E402
+from probe_util import checked_timing, kernel_times  # noqa: E402  (this script's folder is on sys.path)
 from pa_backend import plan_decode  # noqa: E402
-from pa_backend.benchmark import DEFAULT_CONFIGS, TABLE_TOKENS, accuracy, bench_case, kv_bytes  # noqa: E402
+from pa_backend.benchmark import DEFAULT_CONFIGS, TABLE_TOKENS, bench_case, kv_bytes  # noqa: E402
 from pa_backend.triton import pa_decode as kmod  # noqa: E402
 
 budget = float(sys.argv[1]) if len(sys.argv) > 1 else 1e9
@@ -63,18 +64,9 @@ def variant(name):
     return SHIPPED[0], _OldReduce(mod.pa_decode_reduce_kernel)
 
 
-def kernel_times(plan, args, out):
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(5):
-        plan.run(**args, out=out)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(40):
-            plan.run(**args, out=out)
-        torch.cuda.synchronize()
-    return ", ".join(f"{ev.key.split('_kernel')[0].replace('pa_decode_', '')} {ev.device_time_total / ev.count:.1f} us"
-                     for ev in prof.key_averages() if "pa_decode" in ev.key)
+def kernel_summary(plan, args, out):
+    return ", ".join(f"{k.split('_kernel')[0].replace('pa_decode_', '')} {us:.1f} us"
+                     for k, (us, _) in kernel_times(plan, args, out).items())
 
 
 copy = copy_bandwidth_gbps()
@@ -102,13 +94,9 @@ for case in (DEFAULT_CONFIGS[0], DEFAULT_CONFIGS[3], DEFAULT_CONFIGS[1]):
                 kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel = part, red
                 try:
                     plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton")
-                    out.fill_(float("nan"))
-                    plan.run(**args, out=out)
-                    err = accuracy(kw, out)
-                    t = time_cuda_graph(lambda i: plan.run(**args, out=out), inner=2, trials=30)
-                    pct = 100 * nbytes / (t.median_us * 1e-6) / 1e9 / copy
-                    ks = kernel_times(plan, args, out) if rnd == 0 else ""
-                    print(f"  {label} round {rnd} {v}: {t.median_us:.1f} us ({pct:.1f}% of copy) rel.err {err:.2e}"
+                    us, pct, err = checked_timing(plan, kw, args, out, nbytes, copy)
+                    ks = kernel_summary(plan, args, out) if rnd == 0 else ""
+                    print(f"  {label} round {rnd} {v}: {us:.1f} us ({pct:.1f}% of copy) rel.err {err:.2e}"
                           f"{'; ' + ks if ks else ''}", flush=True)
                 except Exception as exc:
                     print(f"  {label} {v}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

@@ -11,10 +11,11 @@ import time
 import torch
 
 sys.path.insert(0, os.getcwd())
-from backend_core.timing import copy_bandwidth_gbps, time_cuda_graph  # noqa: E402
+from backend_core.timing import copy_bandwidth_gbps  # noqa: E402
 from pa_backend import plan_decode  # noqa: E402
 from pa_backend import triton as ptriton  # noqa: E402
-from pa_backend.benchmark import DEFAULT_CONFIGS, TABLE_TOKENS, accuracy, bench_case, kv_bytes  # noqa: E402
+from pa_backend.benchmark import DEFAULT_CONFIGS, TABLE_TOKENS, bench_case, kv_bytes  # noqa: E402
+from probe_util import checked_timing  # noqa: E402  (this script's folder is on sys.path)
 
 budget = float(sys.argv[1]) if len(sys.argv) > 1 else 1e9
 t0 = time.time()
@@ -44,14 +45,10 @@ for ci in [int(i) for i in os.environ.get("PROBE_CONFIGS", "0,1,2,3").split(",")
         ptriton.decode_tiling.cache_clear()
         try:
             plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton")
-            out.fill_(float("nan"))
-            plan.run(**args, out=out)
-            err = accuracy(kw, out)
-            t = time_cuda_graph(lambda i: plan.run(**args, out=out), inner=2, trials=20)
-            rows.append((t.median_us, s, err))
+            us, pct, err = checked_timing(plan, kw, args, out, nbytes, copy, trials=20)
+            rows.append((us, s, err))
             print(f"  B={B} ctx={ctx} ql={ql} Hq={Hq}/{Hkv} pps/warps/stages/bt/few={'/'.join(map(str, s)) or 'default'}: "
-                  f"{t.median_us:.1f} us ({100 * nbytes / (t.median_us * 1e-6) / 1e9 / copy:.1f}% of copy) "
-                  f"rel.err {err:.2e}", flush=True)
+                  f"{us:.1f} us ({pct:.1f}% of copy) rel.err {err:.2e}", flush=True)
         except Exception as exc:
             print(f"  {s}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
     rows.sort()
