@@ -10,9 +10,8 @@ profiled (torch.profiler: device time per kernel):
               batch scalars: == 1, multiple of 16)
 Cases: B=81/8k and B=200/32k (Hq 16 / Hkv 1), B=32/2k (Hq 32 / Hkv 8), 128k-token and exact tables.
 Run on the GPU machine from the repo root: python3 benchmarks/pa_probe/reduce_probe.py [max_seconds]
-Ran at 591771e (shipped = a one-round-trip reduce, grid items x Hkv x BM/2, since replaced): output in
-reduce_H200_2026-12-04.txt. From the fused merge on (queue launches launch no reduce) the variants time
-only the grid launches' reduce."""
+Ran at 591771e (shipped = a one-round-trip reduce, grid items x Hkv x BM/2, since reverted): output in
+reduce_H200_2026-12-04.txt. From 0ae9b8e on, shipped and oldreduce are the same kernel (943dc19's)."""
 import importlib.util
 import os
 import subprocess
@@ -43,7 +42,7 @@ class _OldReduce:
         self.k = k
 
     def __getitem__(self, grid):
-        def launch(*args, RB, PC, num_warps, **kw):
+        def launch(*args, RB=None, PC=None, num_warps=None, **kw):  # the tiled reduce's tiling arguments dropped
             return self.k[grid[:2]](*args, num_warps=4 if kw["BM"] * kw["D"] <= 8192 else 8, **kw)
         return launch
 
