@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify bench-kda bench-pa sweep-pa e2e-vllm
-# e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang spec-sglang
+# e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang spec-sglang kimi-sglang
 # probe-warps probe-grid profile-vllm
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
@@ -89,6 +89,9 @@ for step in $steps; do
     # SGLang speculative decoding (STANDALONE, EAGLE) with the target on flydsl, on sglang_gpu's platform
     spec-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider -rfs
                       integration_tests/e2e/test_sglang_spec.py ${SPEC_PYTEST_ARGS:-}) ;;
+    # the KDA decode hook inside SGLang's engine (tiny Kimi-Linear, hook on vs off, eager), sglang_gpu's platform
+    kimi-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider -rfs
+                      integration_tests/e2e/test_sglang_kimi_engine.py) ;;
     tests-kda) cmd=(python3 -m pytest -q -m gpu kda_backend -p no:cacheprovider -rf) ;;
     # the PA interpreter tests pick the GPU when there is one: run them all (write_kv, safety cases)
     tests-pa) cmd=(python3 -m pytest -q pa_backend -p no:cacheprovider -rf) ;;

@@ -45,6 +45,10 @@ matter in the scheduler, where the model runs):
   (``KDAAttnBackend.init_forward_metadata``): its mode (EXTEND or DECODE; SGLang's mixed batches
   come as EXTEND), rows, and per row the new tokens and the cached prefix.
 
+On an NVIDIA GPU (``prepare(..., cuda=True)``): ``sglang_gpu``'s CUDA platform without sgl_kernel,
+SGLang's KDA Triton kernels native (bf16), the MLA layer on SGLang's ``triton`` backend; only the
+two traces above are installed (``activate_gpu``). Written 2026-12-04, not yet run on a GPU.
+
 Call ``prepare(tmpdir, monkeypatch)`` before ``sglang.Engine``; the engine's spawned processes
 inherit the environment.
 """
@@ -58,6 +62,8 @@ from integration_tests.e2e import vllm_kimi  # its interpreter helpers; importin
 
 DIST = "flydsl_backends_test_cpu_kimi_platform"
 PLATFORM_NAME = "flydsl_test_cpu_kimi"
+GPU_DIST = "flydsl_backends_test_cuda_kimi_platform"
+GPU_PLATFORM_NAME = "flydsl_test_cuda_kimi"
 COUNT_ENV = "FLYDSL_SGLANG_KDA_CALLS"
 BATCH_ENV = "FLYDSL_SGLANG_KDA_BATCHES"
 
@@ -168,6 +174,11 @@ def install_seams() -> None:
     sglang_cpu._after_import(KDA_BACKEND, _wrap_kda_backend)
     sglang_cpu._after_import(NORM_GATE, _wrap_norm_gate)
     sglang_cpu._after_import(MLA_DISPATCH, _mla_absorbed_on_torch_native)
+    install_traces()
+
+
+def install_traces() -> None:
+    """The op-call count and the KDA batch trace (``COUNT_ENV``, ``BATCH_ENV``), where set."""
     if os.environ.get(COUNT_ENV):
         sglang_cpu._after_import("kda_backend.sglang", _count_calls(os.environ[COUNT_ENV]))
     if os.environ.get(BATCH_ENV):
@@ -180,15 +191,29 @@ def activate():
     return sglang_cpu.activate()
 
 
-def prepare(tmpdir, monkeypatch=None, count_path=None, batch_path=None) -> dict:
-    """Declare the platform (``sglang_cpu.declare_platform``) with Triton's interpreter on, and
-    ``COUNT_ENV`` / ``BATCH_ENV`` when ``count_path`` / ``batch_path`` are given."""
-    extra = {"TRITON_INTERPRET": "1"}
+def activate_gpu():
+    """Entry point of ``sglang.srt.platforms`` on a GPU: the traces, then ``sglang_gpu``'s platform."""
+    from integration_tests.e2e import sglang_gpu
+
+    install_traces()
+    return sglang_gpu.activate()
+
+
+def prepare(tmpdir, monkeypatch=None, count_path=None, batch_path=None, cuda=False) -> dict:
+    """Declare the platform (``sglang_cpu.declare_platform``): the CPU one with Triton's interpreter on,
+    or (``cuda``) ``sglang_gpu``'s; ``COUNT_ENV`` / ``BATCH_ENV`` when ``count_path`` / ``batch_path``
+    are given."""
+    if cuda:
+        from integration_tests.e2e import sglang_gpu
+
+        extra, dist, name, entry = dict(sglang_gpu.ENV), GPU_DIST, GPU_PLATFORM_NAME, f"{__name__}:activate_gpu"
+    else:
+        extra, dist, name, entry = {"TRITON_INTERPRET": "1"}, DIST, PLATFORM_NAME, f"{__name__}:activate"
     if count_path is not None:
         extra[COUNT_ENV] = str(count_path)
     if batch_path is not None:
         extra[BATCH_ENV] = str(batch_path)
-    return sglang_cpu.declare_platform(tmpdir, DIST, PLATFORM_NAME, f"{__name__}:activate", extra, monkeypatch)
+    return sglang_cpu.declare_platform(tmpdir, dist, name, entry, extra, monkeypatch)
 
 
 def read_batches(path) -> list:

@@ -73,3 +73,29 @@ def test_gpu_platform_declared_and_seams(tmp_path):
     r = subprocess.run([sys.executable, "-c", PROBE], env=env, cwd=ROOT, capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0 and "PROBE OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]
+
+
+KIMI_PROBE = r"""
+import os
+from sglang.srt.platforms import current_platform as p
+assert type(p).__name__ == "TestCudaPlatform", type(p)
+assert p.supports_speculative_algorithm("EAGLE") and p.supports_speculative_algorithm("STANDALONE")
+assert p.supports_speculative_draft_attention_backend("EAGLE", "torch_native")
+assert p.get_default_speculative_draft_attention_backend("EAGLE") == "torch_native"
+assert os.environ["FLYDSL_SGLANG_KDA_CALLS"].endswith("calls") and "TRITON_INTERPRET" not in os.environ
+print("PROBE OK")
+"""
+
+
+def test_kimi_and_speculative_declarations_on_the_gpu_platform(tmp_path):
+    """The GPU entry point of the Kimi engine case (``sglang_kimi.prepare(cuda=True)``: the same CUDA
+    platform, its traces, no interpreter) and the platform's speculative-decoding declarations."""
+    from integration_tests.e2e import sglang_kimi
+
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    env.update(sglang_kimi.prepare(tmp_path / "platform", count_path=tmp_path / "calls", cuda=True))
+    env["PYTHONPATH"] += os.pathsep + str(ROOT / "integration_tests" / "sglang" / "device_stubs")
+    r = subprocess.run([sys.executable, "-c", KIMI_PROBE], env=env, cwd=ROOT, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0 and "PROBE OK" in r.stdout, r.stdout[-3000:] + r.stderr[-5000:]

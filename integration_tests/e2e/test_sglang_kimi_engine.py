@@ -46,6 +46,10 @@ rolled ``state_indices`` by one, so each row read and updated its neighbour's st
 failed on 6/6 staggered prompts (at the first decode token), 3/3 follow-ups and 4/6 mixed prompts
 (the prefix-cache check failed too: the follow-ups no longer extended what the run had cached).
 
+On an NVIDIA GPU (``benchmarks/device_run.sh kimi-sglang``) the same phases run on ``sglang_gpu``'s
+platform: SGLang's KDA kernels native, the MLA layer on SGLang's ``triton`` backend, still eager
+(the op counts need Python calls). Written 2026-12-04; not run on a GPU yet.
+
 Runtime: about 2 minutes on 2 idle CPU cores (115 s for the two engines, the hook-off one the
 slower: SGLang's decode kernel is interpreted too). It runs in its own pytest process in
 ``.ci/run`` (like the vLLM Kimi case), although only the engine's spawned scheduler, which reads
@@ -131,15 +135,15 @@ def _score(eng, prompts, gens):
 def _serve(model_dir, tmp, hook: bool, follow_up_base=None):
     """The three phases on one engine; per phase the results, the op's calls (rows per call) and
     the KDA backend's batches."""
-    if torch.cuda.is_available():
-        pytest.skip("the CPU engine case")
+    cuda = torch.cuda.is_available()  # a GPU: sglang_gpu's platform, MLA on SGLang's triton backend (not run yet)
     calls, batches = tmp / "calls", tmp / "batches"
     mp = pytest.MonkeyPatch()
-    sglang_kimi.prepare(tmp / "platform", mp, count_path=calls, batch_path=batches)
+    sglang_kimi.prepare(tmp / "platform", mp, count_path=calls, batch_path=batches, cuda=cuda)
     import sglang
 
     kw = {"linear_attn_decode_backend": "flydsl"} if hook else {}
-    eng = sglang.Engine(model_path=str(model_dir), attention_backend="torch_native", device="cpu",
+    eng = sglang.Engine(model_path=str(model_dir), attention_backend="triton" if cuda else "torch_native",
+                        device="cuda" if cuda else "cpu",
                         skip_tokenizer_init=True, dtype="bfloat16", random_seed=0, disable_cuda_graph=True,
                         max_total_tokens=4096, max_mamba_cache_size=16, max_running_requests=MAX_RUNNING,
                         disable_overlap_schedule=True, enable_mixed_chunk=True, log_level="warning",
