@@ -61,6 +61,11 @@ class DeviceInfo:
     def is_nvidia(self) -> bool:
         return self.vendor == "nvidia"
 
+    @property
+    def sm_version(self) -> int:
+        """NVIDIA compute capability as major * 10 + minor (sm_90: 90); 0 on other devices."""
+        return int(self.arch[3:]) if self.is_nvidia and self.arch[3:].isdigit() else 0
+
 
 def is_hip() -> bool:
     """True when torch is a ROCm build (``torch.cuda`` then drives HIP devices)."""

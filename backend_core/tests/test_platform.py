@@ -106,3 +106,16 @@ def test_flydsl_gating_is_memoized_per_device(fake_gpus, no_arch_env, monkeypatc
     for _ in range(3):
         assert platform.flydsl_device_ok(0)[0] and platform.flydsl_device_ok(1)[0]
     assert sorted(set(calls)) == [0, 1] and len(calls) == 2
+
+
+
+def test_sm_version_from_the_arch():
+    from backend_core import platform
+    from backend_core.platform import DeviceInfo
+
+    def info(vendor, arch):
+        return DeviceInfo(type="cuda", index=0, name="x", vendor=vendor, arch=arch, multiprocessors=1, total_memory=1)
+
+    assert info("nvidia", "sm_90").sm_version == 90 and info("nvidia", "sm_89").sm_version == 89
+    assert info("nvidia", "sm_100").sm_version == 100
+    assert info("amd", "gfx950").sm_version == 0 and platform.device_info("cpu").sm_version == 0

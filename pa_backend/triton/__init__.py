@@ -343,7 +343,7 @@ def fp8_qk(device: torch.device, cache, BM: int) -> bool:
         return False  # not run on AMD: the FP16 dots there
     if raw == "1":
         return True
-    return _v_maxnum(device) and torch.cuda.get_device_capability(device) >= (8, 9)
+    return _v_maxnum(device) and platform.device_info(device).sm_version >= 89
 
 
 def _aligned16(*caches: torch.Tensor) -> bool:
