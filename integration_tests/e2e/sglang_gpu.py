@@ -167,43 +167,57 @@ def _no_cutedsl_dual_gemm() -> None:
 
 
 PROFILE_ENV = "FLYDSL_SGL_PROFILE"
+KPROFILE_ENV = "FLYDSL_SGL_KPROFILE"
 
 
-def _profile_steps(path: str, first: int = 200, count: int = 400) -> None:
-    """Diagnosis only (``FLYDSL_SGL_PROFILE=DIR``): cProfile of the scheduler's model steps
-    ``first .. first + count`` (``TpModelWorker.forward_batch_generation``), written to
-    ``DIR/steps_<pid>.txt`` (sorted by own time, then by cumulative time)."""
-    import cProfile
-    import io
-    import pstats
+def _on_steps(first: int, count: int, begin, end) -> None:
+    """Call ``begin()`` before the scheduler's model step ``first`` and ``end()`` after step ``first +
+    count`` (``TpModelWorker.forward_batch_generation``, counted from 1), in the process that runs them."""
 
     def patch(tp_worker):
         cls = tp_worker.TpModelWorker
         real = cls.forward_batch_generation
-        state = {"n": 0, "prof": cProfile.Profile()}
+        state = {"n": 0}
 
         def forward_batch_generation(self, *args, **kwargs):
             n = state["n"] = state["n"] + 1
             if n == first:
-                state["prof"].enable()
+                begin()
             try:
                 return real(self, *args, **kwargs)
             finally:
                 if n == first + count:
-                    state["prof"].disable()
-                    out = io.StringIO()
-                    for key in ("tottime", "cumtime"):
-                        pstats.Stats(state["prof"], stream=out).sort_stats(key).print_stats(45)
-                    os.makedirs(path, exist_ok=True)
-                    with open(os.path.join(path, f"steps_{os.getpid()}.txt"), "w") as f:
-                        f.write(f"steps {first}..{first + count}\n" + out.getvalue())
+                    end()
 
         cls.forward_batch_generation = forward_batch_generation
 
     sglang_cpu._after_import("sglang.srt.managers.tp_worker", patch)
 
 
-KPROFILE_ENV = "FLYDSL_SGL_KPROFILE"
+def _write(path: str, name: str, text: str) -> None:
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, f"{name}_{os.getpid()}.txt"), "w") as f:
+        f.write(text)
+
+
+def _profile_steps(path: str, first: int = 200, count: int = 400) -> None:
+    """Diagnosis only (``FLYDSL_SGL_PROFILE=DIR``): cProfile of the scheduler's model steps
+    ``first .. first + count``, written to ``DIR/steps_<pid>.txt`` (sorted by own time, then by
+    cumulative time)."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+
+    def end():
+        prof.disable()
+        out = io.StringIO()
+        for key in ("tottime", "cumtime"):
+            pstats.Stats(prof, stream=out).sort_stats(key).print_stats(45)
+        _write(path, "steps", f"steps {first}..{first + count}\n" + out.getvalue())
+
+    _on_steps(first, count, prof.enable, end)
 
 
 def _kernel_profile_steps(spec: str) -> None:
@@ -217,41 +231,30 @@ def _kernel_profile_steps(spec: str) -> None:
     path, *rest = spec.split(":")
     first = int(rest[0]) if rest else 600
     count = int(rest[1]) if len(rest) > 1 else 100
+    state = {}
 
-    def patch(tp_worker):
+    def begin():
         import torch
         from torch.profiler import ProfilerActivity, profile
 
-        cls = tp_worker.TpModelWorker
-        real = cls.forward_batch_generation
-        state = {"n": 0}
+        torch.cuda.synchronize()
+        state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        state["prof"].__enter__()
+        state["t0"] = time.perf_counter()
 
-        def forward_batch_generation(self, *args, **kwargs):
-            n = state["n"] = state["n"] + 1
-            if n == first:
-                torch.cuda.synchronize()
-                state["prof"] = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-                state["prof"].__enter__()
-                state["t0"] = time.perf_counter()
-            try:
-                return real(self, *args, **kwargs)
-            finally:
-                if n == first + count and "prof" in state:
-                    torch.cuda.synchronize()
-                    wall = time.perf_counter() - state["t0"]
-                    prof = state.pop("prof")
-                    prof.__exit__(None, None, None)
-                    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30,
-                                                      max_name_column_width=70)
-                    os.makedirs(path, exist_ok=True)
-                    with open(os.path.join(path, f"kernels_{os.getpid()}.txt"), "w") as f:
-                        # the table's footer "Self CUDA time total" is the kernels' GPU time (its step annotation
-                        # rows are spans, not kernels)
-                        f.write(f"steps {first}..{first + count}: wall {wall * 1e3:.1f} ms\n{table}\n")
+    def end():
+        import torch
 
-        cls.forward_batch_generation = forward_batch_generation
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - state["t0"]
+        prof = state.pop("prof")
+        prof.__exit__(None, None, None)
+        table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=70)
+        # the table's footer "Self CUDA time total" is the kernels' GPU time (its step annotation rows are
+        # spans, not kernels)
+        _write(path, "kernels", f"steps {first}..{first + count}: wall {wall * 1e3:.1f} ms\n{table}\n")
 
-    sglang_cpu._after_import("sglang.srt.managers.tp_worker", patch)
+    _on_steps(first, count, begin, end)
 
 
 def activate():
