@@ -26,7 +26,8 @@ from backend_core.timing import bench_context, result_row, time_cuda_graph, time
 
 from .verify import ACCURACY_TARGET
 
-__all__ = ["bench_case", "gather_sdpa", "run_bench", "accuracy", "DEFAULT_CONFIGS", "PREFILL_CONFIGS", "kv_bytes"]
+__all__ = ["bench_case", "gather_sdpa", "run_bench", "accuracy", "DEFAULT_CONFIGS", "PREFILL_CONFIGS", "kv_bytes",
+           "mixed_lengths"]
 
 TABLE_TOKENS = 1 << 17  # a server's max-model-len (vLLM's block_table_tensor, SGLang's req_to_token width)
 
@@ -44,6 +45,12 @@ DEFAULT_CONFIGS: List[Tuple[int, int, int, int, int, int, int, str]] = [
 EXACT_CONFIGS = [DEFAULT_CONFIGS[0], DEFAULT_CONFIGS[3]]
 # a mixed batch: B=64 contexts spread over 100..32k in one 128k-wide table
 MIXED_CONFIG = (64, (100, 32768), 1, 16, 1, 128, 16, "tensor")
+
+
+def mixed_lengths(B: int, lo: int, hi: int) -> List[int]:
+    """B context lengths spread evenly over [lo, hi], in a seeded shuffled order (the mixed batch)."""
+    g = torch.Generator().manual_seed(1)
+    return [int(x) for x in torch.linspace(lo, hi, B)[torch.randperm(B, generator=g)]]
 
 
 def kv_bytes(B: int, ctx, Hkv: int, D: int, scales: str) -> int:
@@ -230,11 +237,8 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
     for op, (B, ctx, ql, Hq, Hkv, D, bs, scales), width in jobs:
         prefill = op == "pa_prefill"
         mixed = isinstance(ctx, tuple)
-        if mixed:  # contexts spread evenly over the range, in a shuffled order
-            lo, hi = ctx
-            g = torch.Generator().manual_seed(1)
-            lens = [int(x) for x in torch.linspace(lo, hi, B)[torch.randperm(B, generator=g)]]
-            total, new = lens, ql
+        if mixed:
+            total, new = mixed_lengths(B, *ctx), ql
         elif prefill:  # ctx is the cached prefix, ql the new tokens
             total, new = ctx + ql, ql
         else:

@@ -73,6 +73,27 @@ def test_explicit_partitions_and_padded_sequence(parts):
     assert (out[0] == 0).all()  # a padded sequence (context 0) gives zeros
 
 
+def test_reduce_rescales_from_the_max_of_every_partition():
+    """20 partitions (the reduce's max pass loads 16 at a time): one key of partition 18 scores hundreds of
+    nats above every other, so a merge that rescaled from the first 16 partitions' max would overflow."""
+    from pa_backend.reference import dequantize_tokens
+
+    case = make_pa_case(context_lengths=[640], query_length=1, Hq=4, Hkv=1, D=64, device=DEVICE, seed=3)
+    kw = dict(case.kwargs)
+    kw.pop("out")
+    k, _ = dequantize_tokens(prepare_attention(**kw).cache, kw["block_tables"][0], 640)
+    k600 = k[600, 0].double()
+    q = (k600 / k600.dot(k600) * 500.0 * 8.0).to(kw["query"].dtype)  # q.k600 * D**-0.5 = 500
+    kw["query"] = q.expand_as(kw["query"]).contiguous()
+    scores = (k[:, 0].double() @ q.double()) / 8.0
+    assert scores[600] - scores[torch.arange(640) != 600].max() > 100  # the case is what it claims
+    ref = torch.empty(kw["query"].shape, dtype=torch.float64, device=DEVICE)
+    run_attention(dataclasses.replace(prepare_attention(**kw), out=ref), compute_dtype=torch.float64)
+    out = case.call("triton", query=kw["query"], num_partitions=20)
+    assert torch.isfinite(out).all()
+    assert ((out.double() - ref).norm() / ref.norm()).item() <= tolerance(DEVICE)
+
+
 def test_planner_is_shape_only_and_bounded():
     from pa_backend.planner import MAX_PARTITIONS, plan_partitions
 
@@ -439,3 +460,27 @@ def test_fp8_qk_switch(monkeypatch):
     monkeypatch.setenv("FLYDSL_BACKENDS_PA_FP8_QK", "yes")
     with pytest.raises(ValueError, match="FLYDSL_BACKENDS_PA_FP8_QK"):
         pt.fp8_qk(torch.device(DEVICE), holder, 64)
+
+
+def test_pdl_switch(monkeypatch):
+    """The reduce is a programmatic dependent launch only on NVIDIA sm_90+ outside the interpreter; the
+    override is validated and cannot force it where the instructions do not exist."""
+    from backend_core import platform
+    from pa_backend import triton as pt
+
+    dev = torch.device(DEVICE)
+    able = (dev.type == "cuda" and not platform.is_hip() and not platform.triton_interpreter_enabled()
+            and platform.device_info(dev).sm_version >= 90)
+    monkeypatch.delenv("FLYDSL_BACKENDS_PA_PDL", raising=False)
+    assert pt.pdl(dev) == able
+    monkeypatch.setenv("FLYDSL_BACKENDS_PA_PDL", "0")
+    assert not pt.pdl(dev)
+    monkeypatch.setenv("FLYDSL_BACKENDS_PA_PDL", "1")
+    if able:
+        assert pt.pdl(dev)
+    else:
+        with pytest.raises(ValueError, match="sm_90"):
+            pt.pdl(dev)
+    monkeypatch.setenv("FLYDSL_BACKENDS_PA_PDL", "on")
+    with pytest.raises(ValueError, match="FLYDSL_BACKENDS_PA_PDL"):
+        pt.pdl(dev)

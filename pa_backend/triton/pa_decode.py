@@ -65,12 +65,20 @@
 # rescale, adds exp(sink - m) to the denominator when sinks are given, and writes the BM valid rows
 # (zero when no token was attended). A grid launch whose P is 1 (a plan bounded by a short max
 # context: small batches outside graphs) has nothing to combine: its task writes the rows itself
-# (DIRECT, the same _store_rows) and the reduce is not launched.
+# (DIRECT, the same _store_rows) and the reduce is not launched. Padding rows (G * QL < BM: GQA 4
+# pads 16 rows) are neither stored in the workspace nor read from it. The max over the partials is
+# one load per RED_PC partitions; the weighted sums loop over them. On NVIDIA sm_90+ the reduce is a
+# programmatic dependent launch (pdl() in __init__.py): the partition kernel lets it launch at once,
+# its programs take the SM slots freed at the partition kernel's tail, read the context lengths and
+# then wait (griddepcontrol.wait) for the partials: no gap between the two kernels.
 #
 # Offsets: block ids and row offsets are int64 (caches > 2 GiB); offsets inside one block are int32.
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+RED_PC = tl.constexpr(16)  # partitions per load of the reduce's max pass
 
 
 @triton.jit
@@ -370,9 +378,10 @@ def _partition_task(
                     HAS_SINKS)
     else:
         ws = ((i_s * HKV + i_h) * P + i_p) * BM
-        tl.store(p_ws_m + ws + o_m, b_m, mask=live_p_)
-        tl.store(p_ws_l + ws + o_m, b_l, mask=live_p_)
-        tl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], b_acc, mask=live_p_)
+        keep = live_p_ & m_valid  # padding rows (GQA group x query rows < BM) are never read back
+        tl.store(p_ws_m + ws + o_m, b_m, mask=keep)
+        tl.store(p_ws_l + ws + o_m, b_l, mask=keep)
+        tl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], b_acc, mask=keep[:, None])
 
 
 # Scalars that change with the batch or the plan are not specialized: Triton would otherwise compile a
@@ -397,8 +406,10 @@ def pa_decode_partition_kernel(
     BT: tl.constexpr, ALIGN: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
     V_MAXNUM: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_SINKS: tl.constexpr, QK8: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr, QK8: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
+    if PDL:  # the reduce may launch now: its programs take SM slots as this kernel's programs finish
+        gdc_launch_dependents()
     # two call sites of the task on purpose: the grid path runs it outside any loop (inside the queue's
     # loop the 4-warp page-64 program grew from 92 to 150 registers)
     if not QUEUE:  # grid (items, Hkv, P): one task per program
@@ -450,32 +461,41 @@ def pa_decode_reduce_kernel(
     stride_o_t, stride_o_h, stride_cl,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
     ALIGN: tl.constexpr, HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     i_s = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
+    o_m = tl.arange(0, BM)
+    o_d = tl.arange(0, D)
+    row = o_m // G
+    grp = o_m % G
+    # the prologue reads only what the partition kernel does not write (context lengths, chunks)
+    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
+    m_valid = (o_m < G * QL) & (row < nrows)
+    lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
+    base = (i_s * HKV + i_h) * P * BM
+    if PDL:  # launched early (programmatic dependent launch): wait for the partials
+        gdc_wait()
     if QUEUE:
         if (i_s == 0) & (i_h == 0):  # the partition kernel has drained the task queue: ready for the next launch
             tl.store(p_queue, 0)
             if SM_SLOTS > 0:
                 o_sm = tl.arange(0, SM_SLOTS)
                 tl.store(p_queue + 1 + o_sm, tl.zeros([SM_SLOTS], tl.int32))
-    o_m = tl.arange(0, BM)
-    o_d = tl.arange(0, D)
-    row = o_m // G
-    grp = o_m % G
-    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
-    m_valid = (o_m < G * QL) & (row < nrows)
-    lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
-    base = (i_s * HKV + i_h) * P * BM
+    # the max over partitions: RED_PC partitions' rows per load, independent of each other
+    o_c = tl.arange(0, RED_PC)
     m_all = tl.full([BM], float("-inf"), dtype=tl.float32)
-    for p in tl.range(0, n_live):
-        m_all = tl.maximum(m_all, tl.load(p_ws_m + base + p * BM + o_m))
+    for p0 in tl.range(0, n_live, RED_PC):
+        o_w = base + (p0 + o_c)[:, None] * BM + o_m[None, :]
+        c_m = tl.load(p_ws_m + o_w, mask=((p0 + o_c) < n_live)[:, None] & m_valid[None, :], other=float("-inf"))
+        m_all = tl.maximum(m_all, tl.max(c_m, 0))
     m_base = tl.where(m_all == float("-inf"), 0.0, m_all)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, D], dtype=tl.float32)
     for p in tl.range(0, n_live):
-        w = tl.exp(tl.load(p_ws_m + base + p * BM + o_m) - m_base)
-        b_l += tl.load(p_ws_l + base + p * BM + o_m) * w
-        b_acc += tl.load(p_ws_acc + (base + p * BM + o_m)[:, None] * D + o_d[None, :]) * w[:, None]
+        w = tl.exp(tl.load(p_ws_m + base + p * BM + o_m, mask=m_valid, other=float("-inf")) - m_base)
+        b_l += tl.load(p_ws_l + base + p * BM + o_m, mask=m_valid, other=0.0) * w
+        b_acc += tl.load(p_ws_acc + (base + p * BM + o_m)[:, None] * D + o_d[None, :], mask=m_valid[:, None],
+                         other=0.0) * w[:, None]
     _store_rows(m_base, b_l, b_acc, p_sinks, p_out, q0, row, grp, m_valid, i_h, stride_o_t, stride_o_h, G, D,
                 HAS_SINKS)

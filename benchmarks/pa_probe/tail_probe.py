@@ -1,0 +1,122 @@
+"""Decode at serving shape: the gap between the partition kernel and the reduce (H200, issue 15; nothing
+here ships).
+
+Variants, each checked against the float64 reference before it is timed (CUDA-graph replay of a
+shape-only plan, 128k-token tables), then profiled (torch.profiler: device time per kernel):
+  base      the kernels of PROBE_BASE_COMMIT (default 7e793ba: the reduce loops twice over the partitions,
+            every workspace row stored and read, no programmatic dependent launch), read from git (the
+            device copy carries the landed history)
+  nopdl     the tree's kernels with FLYDSL_BACKENDS_PA_PDL=0 (padding rows neither stored nor read, the
+            max pass one load per 16 partitions)
+  pdl       the tree's kernels as shipped on sm_90 (the reduce a programmatic dependent launch)
+  pdl-pps16 / pdl-pps24   the same with FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM=16 / 24 (fewer, longer
+            partitions: fewer partials to write and merge; the shipped value for one-warp programs is 32)
+Cases: B=81/8k and B=200/32k (Hq 16 / Hkv 1), B=32/2k (Hq 32 / Hkv 8, GQA 4: 12 of 16 rows padding),
+the mixed batch (B=64, 100..32k); B=81/8k and B=32/2k also with exact-width tables.
+Run on the GPU machine from the repo root: python3 benchmarks/pa_probe/tail_probe.py [max_seconds]"""
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.getcwd())
+from backend_core.timing import copy_bandwidth_gbps  # noqa: E402
+from probe_util import checked_timing, kernel_times  # noqa: E402  (this script's folder is on sys.path)
+from pa_backend import plan_decode  # noqa: E402
+from pa_backend.benchmark import (DEFAULT_CONFIGS, MIXED_CONFIG, TABLE_TOKENS, bench_case, kv_bytes,  # noqa: E402
+                                  mixed_lengths)
+from pa_backend.triton import pa_decode as kmod  # noqa: E402
+
+budget = float(sys.argv[1]) if len(sys.argv) > 1 else 1e9
+t0 = time.time()
+SHIPPED = (kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel)
+BASE_COMMIT = os.environ.get("PROBE_BASE_COMMIT", "7e793ba")
+
+
+class _NoPDL:
+    """A kernel of the base commit launched with the tree's arguments (it has no PDL parameter)."""
+
+    def __init__(self, k):
+        self.k = k
+
+    def __getitem__(self, grid):
+        def launch(*args, PDL=False, launch_pdl=False, **kw):
+            return self.k[grid](*args, **kw)
+        return launch
+
+
+def base_kernels():
+    src = subprocess.run(["git", "show", f"{BASE_COMMIT}:pa_backend/triton/pa_decode.py"], capture_output=True,
+                         text=True, check=True).stdout
+    path = os.path.join(tempfile.mkdtemp(prefix="tail_probe_"), "pa_decode_base.py")
+    with open(path, "w") as f:
+        f.write(src)
+    spec = importlib.util.spec_from_file_location("tail_probe_base", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return _NoPDL(mod.pa_decode_partition_kernel), _NoPDL(mod.pa_decode_reduce_kernel)
+
+
+# variant -> (kernels, environment)
+VARIANTS = {"base": ("base", {"FLYDSL_BACKENDS_PA_PDL": "0"}), "nopdl": ("tree", {"FLYDSL_BACKENDS_PA_PDL": "0"}),
+            "pdl": ("tree", {}), "pdl-pps16": ("tree", {"FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM": "16"}),
+            "pdl-pps24": ("tree", {"FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM": "24"})}
+pick = [v for v in os.environ.get("PROBE_VARIANTS", ",".join(VARIANTS)).split(",") if v]
+kernels = {"tree": SHIPPED}
+try:
+    kernels["base"] = base_kernels()
+except Exception as exc:
+    print(f"base kernels ({BASE_COMMIT}): {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+
+
+def kernel_summary(plan, args, out):
+    return ", ".join(f"{k.split('_kernel')[0].replace('pa_decode_', '')} {us:.1f} us"
+                     for k, (us, _) in kernel_times(plan, args, out).items())
+
+
+copy = copy_bandwidth_gbps()
+print(f"copy {copy:.0f} GB/s", flush=True)
+cases = [(DEFAULT_CONFIGS[0], (TABLE_TOKENS, 0)), (DEFAULT_CONFIGS[1], (TABLE_TOKENS,)),
+         (DEFAULT_CONFIGS[3], (TABLE_TOKENS, 0)), (MIXED_CONFIG, (TABLE_TOKENS,))]
+for case, widths in cases:
+    B, ctx, ql, Hq, Hkv, D, bs, scales = case
+    lens = mixed_lengths(B, *ctx) if isinstance(ctx, tuple) else ctx
+    for width in widths:
+        kw = bench_case(B, lens, ql, Hq, Hkv, D, bs, scales, "cuda", table_tokens=width)
+        args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+        nbytes = kv_bytes(B, kw["context_lengths"].tolist(), Hkv, D, scales)
+        out = torch.empty_like(kw["query"])
+        label = f"B={B} ctx={ctx} Hq={Hq}/{Hkv} table={int(kw['block_tables'].shape[1]) * bs}"
+        for rnd in range(2):  # twice, to see order effects
+            for v in pick:
+                if time.time() - t0 > budget:
+                    print("  budget reached", flush=True)
+                    break
+                which, env = VARIANTS[v]
+                if which not in kernels:
+                    continue
+                saved = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)
+                kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel = kernels[which]
+                try:
+                    plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton")
+                    us, pct, err = checked_timing(plan, kw, args, out, nbytes, copy)
+                    ks = kernel_summary(plan, args, out) if rnd == 0 else ""
+                    print(f"  {label} round {rnd} {v}: {us:.1f} us ({pct:.1f}% of copy) rel.err {err:.2e}"
+                          f"{'; ' + ks if ks else ''}", flush=True)
+                except Exception as exc:
+                    print(f"  {label} {v}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                finally:
+                    kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel = SHIPPED
+                    for k, val in saved.items():
+                        if val is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = val
+        del kw, args, out
+        torch.cuda.empty_cache()
+print(f"done in {time.time() - t0:.0f} s", flush=True)
