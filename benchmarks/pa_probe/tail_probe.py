@@ -8,7 +8,9 @@ shape-only plan, 128k-token tables), then profiled (torch.profiler: device time 
             device copy carries the landed history)
   nopdl     the tree's kernels with FLYDSL_BACKENDS_PA_PDL=0 (padding rows neither stored nor read, the
             max pass one load per 16 partitions)
-  pdl       the tree's kernels as shipped on sm_90 (the reduce a programmatic dependent launch)
+  pdl       the tree's kernels as shipped on sm_90 (the reduce a programmatic dependent launch, its loop
+            unrolled REDUCE_UNROLL times)
+  pdl-unroll1   the same with the reduce's loop not unrolled (one memory round trip per partition)
   pdl-pps16 / pdl-pps24   the same with FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM=16 / 24 (fewer, longer
             partitions: fewer partials to write and merge; the shipped value for one-warp programs is 32)
 Cases: B=81/8k and B=200/32k (Hq 16 / Hkv 1), B=32/2k (Hq 32 / Hkv 8, GQA 4: 12 of 16 rows padding),
@@ -29,6 +31,7 @@ from probe_util import checked_timing, kernel_times  # noqa: E402  (this script'
 from pa_backend import plan_decode  # noqa: E402
 from pa_backend.benchmark import (DEFAULT_CONFIGS, MIXED_CONFIG, TABLE_TOKENS, bench_case, kv_bytes,  # noqa: E402
                                   mixed_lengths)
+from pa_backend import triton as pt  # noqa: E402
 from pa_backend.triton import pa_decode as kmod  # noqa: E402
 
 budget = float(sys.argv[1]) if len(sys.argv) > 1 else 1e9
@@ -38,13 +41,13 @@ BASE_COMMIT = os.environ.get("PROBE_BASE_COMMIT", "7e793ba")
 
 
 class _NoPDL:
-    """A kernel of the base commit launched with the tree's arguments (it has no PDL parameter)."""
+    """A kernel of the base commit launched with the tree's arguments (it has no PDL / UNROLL parameters)."""
 
     def __init__(self, k):
         self.k = k
 
     def __getitem__(self, grid):
-        def launch(*args, PDL=False, launch_pdl=False, **kw):
+        def launch(*args, PDL=False, launch_pdl=False, UNROLL=1, **kw):
             return self.k[grid](*args, **kw)
         return launch
 
@@ -63,10 +66,12 @@ def base_kernels():
 
 # variant -> (kernels, environment)
 VARIANTS = {"base": ("base", {"FLYDSL_BACKENDS_PA_PDL": "0"}), "nopdl": ("tree", {"FLYDSL_BACKENDS_PA_PDL": "0"}),
-            "pdl": ("tree", {}), "pdl-pps16": ("tree", {"FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM": "16"}),
+            "pdl": ("tree", {}), "pdl-unroll1": ("tree1", {}),
+            "pdl-pps16": ("tree", {"FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM": "16"}),
             "pdl-pps24": ("tree", {"FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM": "24"})}
 pick = [v for v in os.environ.get("PROBE_VARIANTS", ",".join(VARIANTS)).split(",") if v]
 kernels = {"tree": SHIPPED}
+SHIPPED_UNROLL = pt.REDUCE_UNROLL
 try:
     kernels["base"] = base_kernels()
 except Exception as exc:
@@ -97,11 +102,12 @@ for case, widths in cases:
                     print("  budget reached", flush=True)
                     break
                 which, env = VARIANTS[v]
-                if which not in kernels:
+                if which.rstrip("1") not in kernels:
                     continue
                 saved = {k: os.environ.get(k) for k in env}
                 os.environ.update(env)
-                kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel = kernels[which]
+                kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel = kernels[which.rstrip("1")]
+                pt.REDUCE_UNROLL = 1 if which == "tree1" else SHIPPED_UNROLL
                 try:
                     plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton")
                     us, pct, err = checked_timing(plan, kw, args, out, nbytes, copy)
@@ -112,6 +118,7 @@ for case, widths in cases:
                     print(f"  {label} {v}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
                 finally:
                     kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel = SHIPPED
+                    pt.REDUCE_UNROLL = SHIPPED_UNROLL
                     for k, val in saved.items():
                         if val is None:
                             os.environ.pop(k, None)

@@ -21,7 +21,7 @@ rows += [[["direct", D, m, v5], ptxas_report(D=D, M=m, v5d=v5, per_token=v5, dir
          for D in (64, 128, 256) for m in (16, 64) for v5 in (0, 1)]
 rows += [[["direct-prefill", D, m], ptxas_report(D=D, M=m, ragged=True, direct=True, sinks=True)]
          for D, m in ((128, 256), (256, 64), (64, 128))]
-rows.append([["reduce"], ptxas_report(D=256, M=64, kernel="reduce")])
+rows += [[["reduce", D, m], ptxas_report(D=D, M=m, kernel="reduce")] for D, m in ((256, 64), (128, 16), (64, 16))]
 rows += [[["prefill", D, m], ptxas_report(D=D, M=m, ragged=True)] for D, m in ((128, 256), (256, 64), (64, 128))]
 rows.append([["prefill-reduce"], ptxas_report(D=256, M=64, kernel="reduce", ragged=True)])
 rows += [[["write", D, v5], ptxas_report(D=D, v5d=v5, per_token=v5, kernel="write")] for D in (64, 256) for v5 in (0, 1)]

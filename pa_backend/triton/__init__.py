@@ -26,8 +26,8 @@ from ..fp8 import fp8_max
 from ..planner import (FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, QUEUE_SM_SLOTS, plan_partitions, task_queue, work_rows,
                        workspace)
 
-__all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "split_policy", "reduce_warps", "pdl",
-           "register_cap", "fp8_qk"]
+__all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "split_policy", "reduce_warps",
+           "reduce_unroll", "pdl", "register_cap", "fp8_qk"]
 
 
 def available() -> Tuple[bool, str]:
@@ -131,8 +131,20 @@ def register_cap(warps: int):
     return 168 if warps == 1 else None
 
 
+# the most partitions the reduce's loop loads per step (loop_unroll_factor: their loads are independent,
+# so an unrolled step has them in flight together; without it each partition costs a memory round trip)
+REDUCE_UNROLL = 4
+
+
 def reduce_warps(D: int, BM: int) -> int:
     return 4 if BM * D <= 8192 else 8
+
+
+def reduce_unroll(D: int, BM: int) -> int:
+    """Partitions per unrolled step of the reduce: up to REDUCE_UNROLL while their partials take at most
+    64 registers per thread (D=128, 16 rows: 4; 64 rows: 1, where 4 spilled)."""
+    per_thread = BM * D // (32 * reduce_warps(D, BM))
+    return max(1, min(REDUCE_UNROLL, 64 // max(per_thread, 1)))
 
 
 def run(p):
@@ -313,7 +325,8 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
             p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
             HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
             RAGGED=not p.is_decode, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots, PDL=L.pdl,
-            num_warps=reduce_warps(L.D, L.BM), **({"launch_pdl": True} if L.pdl else {}),
+            UNROLL=reduce_unroll(L.D, L.BM), num_warps=reduce_warps(L.D, L.BM),
+            **({"launch_pdl": True} if L.pdl else {}),
         )
     except BaseException:
         # the reduce zeroes the task counters the partition kernel just used; without it every later

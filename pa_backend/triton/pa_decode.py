@@ -461,7 +461,7 @@ def pa_decode_reduce_kernel(
     stride_o_t, stride_o_h, stride_cl,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
     ALIGN: tl.constexpr, HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
 ):
     i_s = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -492,7 +492,7 @@ def pa_decode_reduce_kernel(
     m_base = tl.where(m_all == float("-inf"), 0.0, m_all)
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, D], dtype=tl.float32)
-    for p in tl.range(0, n_live):
+    for p in tl.range(0, n_live, loop_unroll_factor=UNROLL):
         w = tl.exp(tl.load(p_ws_m + base + p * BM + o_m, mask=m_valid, other=float("-inf")) - m_base)
         b_l += tl.load(p_ws_l + base + p * BM + o_m, mask=m_valid, other=0.0) * w
         b_acc += tl.load(p_ws_acc + (base + p * BM + o_m)[:, None] * D + o_d[None, :], mask=m_valid[:, None],

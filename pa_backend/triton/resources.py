@@ -78,10 +78,10 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
         warps = 1 if D <= 128 else 2
         stages = 3
     else:
-        from . import reduce_warps
+        from . import reduce_unroll, reduce_warps
 
         constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, ALIGN=64, HAS_SINKS=True, RAGGED=ragged, QUEUE=True,
-                          SM_SLOTS=256, PDL=True)
+                          SM_SLOTS=256, PDL=True, UNROLL=reduce_unroll(D, BM))
         warps, stages = reduce_warps(D, BM), 3
     if kernel in ("partition", "write") and not v5d:
         # Triton specializes an integer argument equal to 1 as a constant at launch: the 4-D V
