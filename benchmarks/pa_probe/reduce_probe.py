@@ -12,11 +12,8 @@ Cases: B=81/8k and B=200/32k (Hq 16 / Hkv 1), B=32/2k (Hq 32 / Hkv 8), 128k-toke
 Run on the GPU machine from the repo root: python3 benchmarks/pa_probe/reduce_probe.py [max_seconds]
 Ran at 591771e (shipped = a one-round-trip reduce, grid items x Hkv x BM/2, since reverted): output in
 reduce_H200_2026-12-04.txt. From 0ae9b8e on, shipped and oldreduce are the same kernel (943dc19's)."""
-import importlib.util
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -24,7 +21,7 @@ import triton
 
 sys.path.insert(0, os.getcwd())
 from backend_core.timing import copy_bandwidth_gbps  # noqa: E402
-from probe_util import checked_timing, kernel_times  # noqa: E402  (this script's folder is on sys.path)
+from probe_util import checked_timing, kernel_summary, module_at  # noqa: E402  (this script's folder is on sys.path)
 from pa_backend import plan_decode  # noqa: E402
 from pa_backend.benchmark import DEFAULT_CONFIGS, TABLE_TOKENS, bench_case, kv_bytes  # noqa: E402
 from pa_backend.triton import pa_decode as kmod  # noqa: E402
@@ -52,20 +49,8 @@ def variant(name):
         return SHIPPED
     if name == "spec":
         return tuple(triton.jit(k.fn) for k in SHIPPED)
-    src = subprocess.run(["git", "show", f"{OLD_COMMIT}:pa_backend/triton/pa_decode.py"], capture_output=True,
-                         text=True, check=True).stdout
-    path = os.path.join(tempfile.mkdtemp(prefix="reduce_probe_"), "pa_decode_old.py")
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location("reduce_probe_old", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = module_at(OLD_COMMIT, name="reduce_probe_old")
     return SHIPPED[0], _OldReduce(mod.pa_decode_reduce_kernel)
-
-
-def kernel_summary(plan, args, out):
-    return ", ".join(f"{k.split('_kernel')[0].replace('pa_decode_', '')} {us:.1f} us"
-                     for k, (us, _) in kernel_times(plan, args, out).items())
 
 
 copy = copy_bandwidth_gbps()

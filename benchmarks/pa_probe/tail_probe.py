@@ -16,18 +16,15 @@ shape-only plan, 128k-token tables), then profiled (torch.profiler: device time 
 Cases: B=81/8k and B=200/32k (Hq 16 / Hkv 1), B=32/2k (Hq 32 / Hkv 8, GQA 4: 12 of 16 rows padding),
 the mixed batch (B=64, 100..32k); B=81/8k and B=32/2k also with exact-width tables.
 Run on the GPU machine from the repo root: python3 benchmarks/pa_probe/tail_probe.py [max_seconds]"""
-import importlib.util
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.getcwd())
 from backend_core.timing import copy_bandwidth_gbps  # noqa: E402
-from probe_util import checked_timing, kernel_times  # noqa: E402  (this script's folder is on sys.path)
+from probe_util import checked_timing, kernel_summary, module_at  # noqa: E402  (this script's folder is on sys.path)
 from pa_backend import plan_decode  # noqa: E402
 from pa_backend.benchmark import (DEFAULT_CONFIGS, MIXED_CONFIG, TABLE_TOKENS, bench_case, kv_bytes,  # noqa: E402
                                   mixed_lengths)
@@ -53,14 +50,7 @@ class _NoPDL:
 
 
 def base_kernels():
-    src = subprocess.run(["git", "show", f"{BASE_COMMIT}:pa_backend/triton/pa_decode.py"], capture_output=True,
-                         text=True, check=True).stdout
-    path = os.path.join(tempfile.mkdtemp(prefix="tail_probe_"), "pa_decode_base.py")
-    with open(path, "w") as f:
-        f.write(src)
-    spec = importlib.util.spec_from_file_location("tail_probe_base", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = module_at(BASE_COMMIT, name="tail_probe_base")
     return _NoPDL(mod.pa_decode_partition_kernel), _NoPDL(mod.pa_decode_reduce_kernel)
 
 
@@ -76,11 +66,6 @@ try:
     kernels["base"] = base_kernels()
 except Exception as exc:
     print(f"base kernels ({BASE_COMMIT}): {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-
-
-def kernel_summary(plan, args, out):
-    return ", ".join(f"{k.split('_kernel')[0].replace('pa_decode_', '')} {us:.1f} us"
-                     for k, (us, _) in kernel_times(plan, args, out).items())
 
 
 copy = copy_bandwidth_gbps()
