@@ -57,3 +57,21 @@ def module_at(commit: str, path: str = "pa_backend/triton/pa_decode.py", name: s
     """The kernel module ``path`` as ``commit`` has it (the device copy carries the landed history)."""
     src = subprocess.run(["git", "show", f"{commit}:{path}"], capture_output=True, text=True, check=True).stdout
     return module_from_source(src, name)
+
+
+class Relaunch:
+    """A kernel of another commit launched where the tree launches its own: ``drop`` names the tree's
+    arguments it does not take; ``adapt(grid, kwargs) -> (grid, kwargs)`` may change the rest."""
+
+    def __init__(self, kernel, drop=(), adapt=None):
+        self.kernel, self.drop, self.adapt = kernel, tuple(drop), adapt
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            for n in self.drop:
+                kw.pop(n, None)
+            g = grid
+            if self.adapt is not None:
+                g, kw = self.adapt(grid, kw)
+            return self.kernel[g](*args, **kw)
+        return launch

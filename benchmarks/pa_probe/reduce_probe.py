@@ -21,7 +21,7 @@ import triton
 
 sys.path.insert(0, os.getcwd())
 from backend_core.timing import copy_bandwidth_gbps  # noqa: E402
-from probe_util import checked_timing, kernel_summary, module_at  # noqa: E402  (this script's folder is on sys.path)
+from probe_util import Relaunch, checked_timing, kernel_summary, module_at  # noqa: E402  (this script's folder is on sys.path)
 from pa_backend import plan_decode  # noqa: E402
 from pa_backend.benchmark import DEFAULT_CONFIGS, TABLE_TOKENS, bench_case, kv_bytes  # noqa: E402
 from pa_backend.triton import pa_decode as kmod  # noqa: E402
@@ -32,25 +32,15 @@ SHIPPED = (kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel)
 OLD_COMMIT = os.environ.get("PROBE_OLD_COMMIT", "943dc19")
 
 
-class _OldReduce:
-    """The old reduce on its old grid (items, Hkv), without the new tiling arguments."""
-
-    def __init__(self, k):
-        self.k = k
-
-    def __getitem__(self, grid):
-        def launch(*args, RB=None, PC=None, num_warps=None, **kw):  # the tiled reduce's tiling arguments dropped
-            return self.k[grid[:2]](*args, num_warps=4 if kw["BM"] * kw["D"] <= 8192 else 8, **kw)
-        return launch
-
-
 def variant(name):
     if name == "shipped":
         return SHIPPED
     if name == "spec":
         return tuple(triton.jit(k.fn) for k in SHIPPED)
     mod = module_at(OLD_COMMIT, name="reduce_probe_old")
-    return SHIPPED[0], _OldReduce(mod.pa_decode_reduce_kernel)
+    # the old reduce on its old grid (items, Hkv), without the tiled reduce's tiling arguments
+    return SHIPPED[0], Relaunch(mod.pa_decode_reduce_kernel, ("RB", "PC", "num_warps"),
+                                lambda g, kw: (g[:2], dict(kw, num_warps=4 if kw["BM"] * kw["D"] <= 8192 else 8)))
 
 
 copy = copy_bandwidth_gbps()

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 from backend_core.timing import copy_bandwidth_gbps  # noqa: E402
-from probe_util import checked_timing, kernel_summary, module_at  # noqa: E402  (this script's folder is on sys.path)
+from probe_util import Relaunch, checked_timing, kernel_summary, module_at  # noqa: E402  (this folder is on sys.path)
 from pa_backend import plan_decode  # noqa: E402
 from pa_backend.benchmark import (DEFAULT_CONFIGS, MIXED_CONFIG, TABLE_TOKENS, bench_case, kv_bytes,  # noqa: E402
                                   mixed_lengths)
@@ -37,21 +37,10 @@ SHIPPED = (kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel)
 BASE_COMMIT = os.environ.get("PROBE_BASE_COMMIT", "7e793ba")
 
 
-class _NoPDL:
-    """A kernel of the base commit launched with the tree's arguments (it has no PDL / UNROLL parameters)."""
-
-    def __init__(self, k):
-        self.k = k
-
-    def __getitem__(self, grid):
-        def launch(*args, PDL=False, launch_pdl=False, UNROLL=1, **kw):
-            return self.k[grid](*args, **kw)
-        return launch
-
-
 def base_kernels():
     mod = module_at(BASE_COMMIT, name="tail_probe_base")
-    return _NoPDL(mod.pa_decode_partition_kernel), _NoPDL(mod.pa_decode_reduce_kernel)
+    drop = ("PDL", "launch_pdl", "UNROLL")  # the base kernels have no such parameters
+    return Relaunch(mod.pa_decode_partition_kernel, drop), Relaunch(mod.pa_decode_reduce_kernel, drop)
 
 
 # variant -> (kernels, environment)
