@@ -75,3 +75,18 @@ class Relaunch:
                 g, kw = self.adapt(grid, kw)
             return self.kernel[g](*args, **kw)
         return launch
+
+
+def probe_line(label, variant, rnd, kw, args, out, nbytes, copy_gbps, ql=1) -> None:
+    """Plan, check and time one decode variant (a shape-only plan of ``kw``'s tables), profile its kernels in
+    round 0, and print one line (errors too: a failing variant must not stop the others)."""
+    from pa_backend import plan_decode
+
+    try:
+        plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton")
+        us, pct, err = checked_timing(plan, kw, args, out, nbytes, copy_gbps)
+        ks = kernel_summary(plan, args, out) if rnd == 0 else ""
+        print(f"  {label} round {rnd} {variant}: {us:.1f} us ({pct:.1f}% of copy) rel.err {err:.2e}"
+              f"{'; ' + ks if ks else ''}", flush=True)
+    except Exception as exc:
+        print(f"  {label} {variant}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)

@@ -21,8 +21,7 @@ import triton
 
 sys.path.insert(0, os.getcwd())
 from backend_core.timing import copy_bandwidth_gbps  # noqa: E402
-from probe_util import Relaunch, checked_timing, kernel_summary, module_at  # noqa: E402  (this script's folder is on sys.path)
-from pa_backend import plan_decode  # noqa: E402
+from probe_util import Relaunch, module_at, probe_line  # noqa: E402  (this script's folder is on sys.path)
 from pa_backend.benchmark import DEFAULT_CONFIGS, TABLE_TOKENS, bench_case, kv_bytes  # noqa: E402
 from pa_backend.triton import pa_decode as kmod  # noqa: E402
 
@@ -66,14 +65,7 @@ for case in (DEFAULT_CONFIGS[0], DEFAULT_CONFIGS[3], DEFAULT_CONFIGS[1]):
                     print("  budget reached", flush=True)
                     break
                 kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel = part, red
-                try:
-                    plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton")
-                    us, pct, err = checked_timing(plan, kw, args, out, nbytes, copy)
-                    ks = kernel_summary(plan, args, out) if rnd == 0 else ""
-                    print(f"  {label} round {rnd} {v}: {us:.1f} us ({pct:.1f}% of copy) rel.err {err:.2e}"
-                          f"{'; ' + ks if ks else ''}", flush=True)
-                except Exception as exc:
-                    print(f"  {label} {v}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                probe_line(label, v, rnd, kw, args, out, nbytes, copy, ql)
         kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel = SHIPPED
         del kw, args, out
         torch.cuda.empty_cache()

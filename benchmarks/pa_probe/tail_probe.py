@@ -24,8 +24,7 @@ import torch
 
 sys.path.insert(0, os.getcwd())
 from backend_core.timing import copy_bandwidth_gbps  # noqa: E402
-from probe_util import Relaunch, checked_timing, kernel_summary, module_at  # noqa: E402  (this folder is on sys.path)
-from pa_backend import plan_decode  # noqa: E402
+from probe_util import Relaunch, module_at, probe_line  # noqa: E402  (this folder is on sys.path)
 from pa_backend.benchmark import (DEFAULT_CONFIGS, MIXED_CONFIG, TABLE_TOKENS, bench_case, kv_bytes,  # noqa: E402
                                   mixed_lengths)
 from pa_backend import triton as pt  # noqa: E402
@@ -83,13 +82,7 @@ for case, widths in cases:
                 kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel = kernels[which.rstrip("1")]
                 pt.REDUCE_UNROLL = 1 if which == "tree1" else SHIPPED_UNROLL
                 try:
-                    plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton")
-                    us, pct, err = checked_timing(plan, kw, args, out, nbytes, copy)
-                    ks = kernel_summary(plan, args, out) if rnd == 0 else ""
-                    print(f"  {label} round {rnd} {v}: {us:.1f} us ({pct:.1f}% of copy) rel.err {err:.2e}"
-                          f"{'; ' + ks if ks else ''}", flush=True)
-                except Exception as exc:
-                    print(f"  {label} {v}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+                    probe_line(label, v, rnd, kw, args, out, nbytes, copy, ql)
                 finally:
                     kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel = SHIPPED
                     pt.REDUCE_UNROLL = SHIPPED_UNROLL
