@@ -1,18 +1,18 @@
-"""Decode at serving shape: the gap between the partition kernel and the reduce (H200, issue 15; nothing
-here ships).
+"""Decode at serving shape: the reduce and the gap before it (H200, issue 15; nothing here ships).
 
 Variants, each checked against the float64 reference before it is timed (CUDA-graph replay of a
 shape-only plan, 128k-token tables), then profiled (torch.profiler: device time per kernel):
   base      the kernels of PROBE_BASE_COMMIT (default 7e793ba: the reduce loops twice over the partitions,
-            every workspace row stored and read, no programmatic dependent launch), read from git (the
+            one memory round trip per partition, every workspace row stored and read), read from git (the
             device copy carries the landed history)
-  nopdl     the tree's kernels with FLYDSL_BACKENDS_PA_PDL=0 (padding rows neither stored nor read, the
-            max pass one load per 16 partitions)
-  pdl       the tree's kernels as shipped on sm_90 (the reduce a programmatic dependent launch, its loop
-            unrolled REDUCE_UNROLL times)
-  pdl-unroll1   the same with the reduce's loop not unrolled (one memory round trip per partition)
-  pdl-pps16 / pdl-pps24   the same with FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM=16 / 24 (fewer, longer
-            partitions: fewer partials to write and merge; the shipped value for one-warp programs is 32)
+  tree      the tree's kernels (padding rows neither stored nor read, the max pass one load per 16
+            partitions, the weighted sums unrolled: reduce_unroll)
+  unroll1   the same with the weighted-sum loop not unrolled
+  pps16 / pps24   the tree with FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM=16 / 24 (fewer, longer partitions:
+            fewer partials to write and merge; the shipped value for one-warp programs is 32)
+Ran at 392bd45 (output: tail_H200_2026-12-04.txt), when the tree also had the reduce as a programmatic
+dependent launch of the partition kernel (variants "pdl*"; "nopdl" is today's "tree"). PDL changed
+nothing measurable and was removed.
 Cases: B=81/8k and B=200/32k (Hq 16 / Hkv 1), B=32/2k (Hq 32 / Hkv 8, GQA 4: 12 of 16 rows padding),
 the mixed batch (B=64, 100..32k); B=81/8k and B=32/2k also with exact-width tables.
 Run on the GPU machine from the repo root: python3 benchmarks/pa_probe/tail_probe.py [max_seconds]"""
@@ -38,15 +38,14 @@ BASE_COMMIT = os.environ.get("PROBE_BASE_COMMIT", "7e793ba")
 
 def base_kernels():
     mod = module_at(BASE_COMMIT, name="tail_probe_base")
-    drop = ("PDL", "launch_pdl", "UNROLL")  # the base kernels have no such parameters
+    drop = ("UNROLL",)  # the base kernels have no such parameter
     return Relaunch(mod.pa_decode_partition_kernel, drop), Relaunch(mod.pa_decode_reduce_kernel, drop)
 
 
 # variant -> (kernels, environment)
-VARIANTS = {"base": ("base", {"FLYDSL_BACKENDS_PA_PDL": "0"}), "nopdl": ("tree", {"FLYDSL_BACKENDS_PA_PDL": "0"}),
-            "pdl": ("tree", {}), "pdl-unroll1": ("tree1", {}),
-            "pdl-pps16": ("tree", {"FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM": "16"}),
-            "pdl-pps24": ("tree", {"FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM": "24"})}
+VARIANTS = {"base": ("base", {}), "tree": ("tree", {}), "unroll1": ("tree1", {}),
+            "pps16": ("tree", {"FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM": "16"}),
+            "pps24": ("tree", {"FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM": "24"})}
 pick = [v for v in os.environ.get("PROBE_VARIANTS", ",".join(VARIANTS)).split(",") if v]
 kernels = {"tree": SHIPPED}
 SHIPPED_UNROLL = pt.REDUCE_UNROLL

@@ -461,26 +461,3 @@ def test_fp8_qk_switch(monkeypatch):
     with pytest.raises(ValueError, match="FLYDSL_BACKENDS_PA_FP8_QK"):
         pt.fp8_qk(torch.device(DEVICE), holder, 64)
 
-
-def test_pdl_switch(monkeypatch):
-    """The reduce is a programmatic dependent launch only on NVIDIA sm_90+ outside the interpreter; the
-    override is validated and cannot force it where the instructions do not exist."""
-    from backend_core import platform
-    from pa_backend import triton as pt
-
-    dev = torch.device(DEVICE)
-    able = (dev.type == "cuda" and not platform.is_hip() and not platform.triton_interpreter_enabled()
-            and platform.device_info(dev).sm_version >= 90)
-    monkeypatch.delenv("FLYDSL_BACKENDS_PA_PDL", raising=False)
-    assert pt.pdl(dev) == able
-    monkeypatch.setenv("FLYDSL_BACKENDS_PA_PDL", "0")
-    assert not pt.pdl(dev)
-    monkeypatch.setenv("FLYDSL_BACKENDS_PA_PDL", "1")
-    if able:
-        assert pt.pdl(dev)
-    else:
-        with pytest.raises(ValueError, match="sm_90"):
-            pt.pdl(dev)
-    monkeypatch.setenv("FLYDSL_BACKENDS_PA_PDL", "on")
-    with pytest.raises(ValueError, match="FLYDSL_BACKENDS_PA_PDL"):
-        pt.pdl(dev)

@@ -27,7 +27,7 @@ from ..planner import (FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, QUEUE_SM_SLOTS, pla
                        workspace)
 
 __all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "split_policy", "reduce_warps",
-           "reduce_unroll", "pdl", "register_cap", "fp8_qk"]
+           "reduce_unroll", "register_cap", "fp8_qk"]
 
 
 def available() -> Tuple[bool, str]:
@@ -256,7 +256,6 @@ class _Launch:
         # one partition per item (a plan bounded by a short max context, or a narrow table): the partition
         # kernel writes the output rows itself and the reduce is not launched (one launch per layer less)
         self.direct = not self.queue_mode and self.split.P == 1
-        self.pdl = not self.direct and pdl(p.device)
 
 
 # programs per SM of each compiled partition kernel (platform.resident_programs), filled by its first
@@ -311,7 +310,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, RAGGED=not p.is_decode,
         V_MAXNUM=L.v_maxnum, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots, DIRECT=L.direct,
         HAS_SINKS=L.direct and p.sinks is not None,  # read only by a direct launch (no second compile otherwise)
-        QK8=L.qk8 and _aligned16(kc, vc), PDL=L.pdl,
+        QK8=L.qk8 and _aligned16(kc, vc),
         num_warps=L.warps, num_stages=L.stages, **L.launch_options,
     )
     if L.queue_mode and L.resident_key not in _RESIDENT:
@@ -324,9 +323,8 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
             p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
             p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
             HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
-            RAGGED=not p.is_decode, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots, PDL=L.pdl,
+            RAGGED=not p.is_decode, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots,
             UNROLL=reduce_unroll(L.D, L.BM), num_warps=reduce_warps(L.D, L.BM),
-            **({"launch_pdl": True} if L.pdl else {}),
         )
     except BaseException:
         # the reduce zeroes the task counters the partition kernel just used; without it every later
@@ -358,22 +356,6 @@ def fp8_qk(device: torch.device, cache, BM: int) -> bool:
     if raw == "1":
         return True
     return _v_maxnum(device) and platform.device_info(device).sm_version >= 89
-
-
-def pdl(device: torch.device) -> bool:
-    """Whether the reduce is launched as a programmatic dependent launch of the partition kernel (NVIDIA
-    sm_90+): the partition kernel lets it launch at once, its programs take the SM slots the partition
-    programs free at the tail and read their context lengths, then wait (``griddepcontrol.wait``) for
-    the partials; the gap between the two kernels goes. FLYDSL_BACKENDS_PA_PDL=0 / 1 overrides it (1
-    outside NVIDIA sm_90+ is an error: the instructions exist only there)."""
-    raw = os.environ.get("FLYDSL_BACKENDS_PA_PDL", "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"FLYDSL_BACKENDS_PA_PDL={raw!r}: expected 0 or 1")
-    able = _v_maxnum(device) and platform.device_info(device).sm_version >= 90
-    if raw == "1" and not able:
-        raise ValueError("FLYDSL_BACKENDS_PA_PDL=1: programmatic dependent launch needs an NVIDIA sm_90+ GPU "
-                         "outside Triton's interpreter")
-    return able and raw != "0"
 
 
 def _aligned16(*caches: torch.Tensor) -> bool:

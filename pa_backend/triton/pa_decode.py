@@ -67,16 +67,13 @@
 # context: small batches outside graphs) has nothing to combine: its task writes the rows itself
 # (DIRECT, the same _store_rows) and the reduce is not launched. Padding rows (G * QL < BM: GQA 4
 # pads 16 rows) are neither stored in the workspace nor read from it. The max over the partials is
-# one load per RED_PC partitions; the weighted sums loop over them. On NVIDIA sm_90+ the reduce is a
-# programmatic dependent launch (pdl() in __init__.py): the partition kernel lets it launch at once,
-# its programs take the SM slots freed at the partition kernel's tail, read the context lengths and
-# then wait (griddepcontrol.wait) for the partials: no gap between the two kernels.
+# one load per RED_PC partitions; the weighted sums loop over them, UNROLL partitions per step (their
+# loads in flight together; a plain loop costs one memory round trip per partition).
 #
 # Offsets: block ids and row offsets are int64 (caches > 2 GiB); offsets inside one block are int32.
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 RED_PC = tl.constexpr(16)  # partitions per load of the reduce's max pass
 
@@ -406,10 +403,8 @@ def pa_decode_partition_kernel(
     BT: tl.constexpr, ALIGN: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
     V_MAXNUM: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr, DIRECT: tl.constexpr,
-    HAS_SINKS: tl.constexpr, QK8: tl.constexpr = False, PDL: tl.constexpr = False,
+    HAS_SINKS: tl.constexpr, QK8: tl.constexpr = False,
 ):
-    if PDL:  # the reduce may launch now: its programs take SM slots as this kernel's programs finish
-        gdc_launch_dependents()
     # two call sites of the task on purpose: the grid path runs it outside any loop (inside the queue's
     # loop the 4-warp page-64 program grew from 92 to 150 registers)
     if not QUEUE:  # grid (items, Hkv, P): one task per program
@@ -461,7 +456,7 @@ def pa_decode_reduce_kernel(
     stride_o_t, stride_o_h, stride_cl,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
     ALIGN: tl.constexpr, HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr,
-    PDL: tl.constexpr = False, UNROLL: tl.constexpr = 1,
+    UNROLL: tl.constexpr = 1,
 ):
     i_s = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -469,13 +464,10 @@ def pa_decode_reduce_kernel(
     o_d = tl.arange(0, D)
     row = o_m // G
     grp = o_m % G
-    # the prologue reads only what the partition kernel does not write (context lengths, chunks)
     seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
     m_valid = (o_m < G * QL) & (row < nrows)
     lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
     base = (i_s * HKV + i_h) * P * BM
-    if PDL:  # launched early (programmatic dependent launch): wait for the partials
-        gdc_wait()
     if QUEUE:
         if (i_s == 0) & (i_h == 0):  # the partition kernel has drained the task queue: ready for the next launch
             tl.store(p_queue, 0)

@@ -67,8 +67,7 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
                           K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged, V_MAXNUM=True,
                           QUEUE=(warps == 1 and not ragged and not direct) if queue is None else queue, SM_SLOTS=256,
                           DIRECT=direct, HAS_SINKS=sinks,
-                          QK8=BM >= 64,  # what fp8_qk picks on sm_90 with e4m3fn caches
-                          PDL=not direct)  # pdl(): on sm_90 whenever the reduce runs
+                          QK8=BM >= 64)  # what fp8_qk picks on sm_90 with e4m3fn caches
         from . import register_cap
 
         maxnreg = register_cap(warps) if constexprs["QUEUE"] else None
@@ -81,7 +80,7 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
         from . import reduce_unroll, reduce_warps
 
         constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, ALIGN=64, HAS_SINKS=True, RAGGED=ragged, QUEUE=True,
-                          SM_SLOTS=256, PDL=True, UNROLL=reduce_unroll(D, BM))
+                          SM_SLOTS=256, UNROLL=reduce_unroll(D, BM))
         warps, stages = reduce_warps(D, BM), 3
     if kernel in ("partition", "write") and not v5d:
         # Triton specializes an integer argument equal to 1 as a constant at launch: the 4-D V
