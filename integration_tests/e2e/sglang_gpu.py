@@ -1,6 +1,7 @@
 """What a real SGLang 0.5.23 engine needs to serve on an NVIDIA GPU without sgl_kernel (its CUDA
 wheel is built for torch 2.14 and cannot travel to the device, which has torch 2.11 + Triton 3.6):
-the GPU counterpart of ``sglang_cpu`` (read with SGLang 0.5.23's source; not run on a GPU here).
+the GPU counterpart of ``sglang_cpu`` (read with SGLang 0.5.23's source; run on the H200 by
+``benchmarks/device_run.sh`` e2e-sglang, serve-sglang, spec-sglang and kimi-sglang).
 
 How SGLang decides "CUDA" (two independent answers):
 
