@@ -215,10 +215,14 @@ def host_overhead(kw: Dict[str, object], layers: int = 200, backend: str = "trit
 
 def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] = ("triton",), trials: int = 30,
               baseline: bool = True, prefill_configs: Sequence[Tuple] = PREFILL_CONFIGS,
-              table_tokens: int = TABLE_TOKENS, progress=print) -> List[Dict[str, object]]:
+              table_tokens: int = TABLE_TOKENS, progress=print, calls_per_graph: int = 2) -> List[Dict[str, object]]:
     """Decode rows (graph replay of a shape-only plan, and eager), the exact-width and mixed-batch
     cases, prefill rows (graph replay of a planned batch) and the per-layer host time; each
-    implementation's accuracy in the notes."""
+    implementation's accuracy in the notes. A graph row's time is one replay of ``calls_per_graph``
+    captured calls divided by that count: each call carries that share of the graph's launch (a
+    server's decode step captures every layer in one graph)."""
+    if calls_per_graph < 1:
+        raise ValueError(f"calls_per_graph must be >= 1, got {calls_per_graph}")
     from . import REGISTRY, pa_decode, plan_decode, plan_prefill
 
     usable = []
@@ -280,7 +284,7 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
                 res = fn(0)
                 err = accuracy(kw, res)
                 t = (time_eager(fn, trials=trials, device=dev) if mode == "eager"
-                     else time_cuda_graph(fn, inner=2, trials=trials, device=dev))
+                     else time_cuda_graph(fn, inner=calls_per_graph, trials=trials, device=dev))
             except Exception as exc:  # e.g. a FlyDSL source that does not cover this case
                 progress(f"  {shape}: {name} not timed: {type(exc).__name__}: {exc}")
                 continue
@@ -289,7 +293,8 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
             ok = "meets" if err <= ACCURACY_TARGET else "MISSES"
             note = (f"rel_err={err:.2e} ({ok} {ACCURACY_TARGET:g}; first 2 sequences vs float64 reference); "
                     + (f"{tflops:.1f} TFLOP/s; " if flops else "")
-                    + f"logical bytes = FP8 K+V (+ per-token scales) read once; {mode} timing; table {tw} tokens")
+                    + f"logical bytes = FP8 K+V (+ per-token scales) read once; {mode} timing"
+                    + (f" ({calls_per_graph} calls per replay)" if mode == "graph" else "") + f"; table {tw} tokens")
             rows.append(result_row(run, op, name, shape, t, nbytes, note))
             line += f" {name} {t.median_us:.1f} us ({100 * gbps / copy:.0f}% of copy, err {err:.1e})"
         progress(line)
@@ -317,6 +322,9 @@ def add_bench_args(parser) -> None:
     parser.add_argument("--no-baseline", action="store_true", help="pa: skip the torch gather + SDPA baseline")
     parser.add_argument("--table-tokens", type=int, default=TABLE_TOKENS,
                         help=f"pa: block-table width in tokens (a server's max-model-len; default {TABLE_TOKENS})")
+    parser.add_argument("--calls-per-graph", type=int, default=2,
+                        help="pa: calls captured per CUDA graph (each graph row is one replay / this count; a "
+                             "server's step captures every layer, so a larger count is closer to serving; default 2)")
     parser.add_argument("--host", action="store_true",
                         help="pa: only the per-layer host time (plan.run vs the eager op); runs on CPU too")
 
@@ -334,4 +342,4 @@ def bench_cli(args):
             print(f"  {k:10s} {v:8.1f} us")
         return 0
     return run_bench(impls=args.impl.split(","), trials=max(args.trials, 30), baseline=not args.no_baseline,
-                     table_tokens=args.table_tokens)
+                     table_tokens=args.table_tokens, calls_per_graph=args.calls_per_graph)

@@ -127,3 +127,11 @@ def test_benchmark_prefill_baseline_and_accuracy():
     assert accuracy(kw, ref) < 5e-3
     base = gather_sdpa(**{**kw, "query_length": 20}).double()
     assert ((base - ref.double()).norm() / ref.double().norm()).item() < 2e-2
+
+
+def test_bench_rejects_zero_calls_per_graph():
+    """``bench pa --calls-per-graph 0`` is refused before anything runs (no GPU needed)."""
+    from pa_backend.benchmark import run_bench
+
+    with pytest.raises(ValueError, match="calls_per_graph"):
+        run_bench(calls_per_graph=0, progress=lambda *a: None)
