@@ -1,5 +1,6 @@
-"""Ahead-of-time compilation of a Triton kernel for an NVIDIA target, without a GPU, and the
-resource report of the ptxas that the Triton wheel ships (registers, spills, stack).
+"""Ahead-of-time compilation of a Triton kernel for an NVIDIA or AMD target, without a GPU: the
+resource report of the ptxas that the Triton wheel ships (registers, spills, stack), and for AMD
+(gfx942, gfx950) the register and scratch counts the AMDGPU backend writes into the assembly.
 
 Used by CPU tests that keep shipped kernel configurations compiling and spill-free. The caller
 describes the specialization the runtime would build: argument types, constexprs, and which
@@ -15,20 +16,10 @@ import subprocess
 import tempfile
 from typing import Dict, Iterable, Mapping, Optional
 
-__all__ = ["ptxas_report"]
+__all__ = ["ptxas_report", "amdgcn_report"]
 
 
-def ptxas_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, object],
-                 divisible: Iterable[str] = (), num_warps: int = 4, capability: int = 90,
-                 num_stages: int = 3, maxnreg: Optional[int] = None) -> Dict[str, int]:
-    """Compile ``kernel`` (a ``triton.jit`` function) and return its ptxas resource numbers.
-
-    ``types``: Triton type strings ("*fp32", "i32", ...) of the runtime arguments; every other
-    parameter must be in ``constexprs``. ``divisible``: arguments to mark 16-divisible.
-    ``maxnreg``: the register cap the launch passes (None: ptxas chooses).
-    """
-    import triton
-    from triton.backends.compiler import GPUTarget
+def _source(kernel, types: Mapping[str, str], constexprs: Mapping[str, object], divisible: Iterable[str]):
     from triton.compiler import ASTSource
 
     names = list(inspect.signature(kernel.fn).parameters)
@@ -42,8 +33,43 @@ def ptxas_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, obje
             if n in divisible:
                 attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            raise ValueError(f"ptxas_report: no type or constexpr value for argument {n!r}")
-    src = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs), attrs=attrs)
+            raise ValueError(f"aot: no type or constexpr value for argument {n!r}")
+    return ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs), attrs=attrs)
+
+
+def amdgcn_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, object], divisible: Iterable[str] = (),
+                  num_warps: int = 4, arch: str = "gfx942", num_stages: int = 2) -> Dict[str, int]:
+    """Compile ``kernel`` for AMD ``arch`` (wavefronts of 64) and return what the AMDGPU backend reports
+    in the assembly: VGPRs, scratch bytes per lane (> 0: spills or a stack), LDS bytes."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    compiled = triton.compile(_source(kernel, types, constexprs, divisible), target=GPUTarget("hip", arch, 64),
+                              options={"num_warps": num_warps, "num_stages": num_stages})
+    asm = compiled.asm["amdgcn"]
+
+    def grab(pattern: str) -> int:
+        m = re.search(pattern, asm)
+        return int(m.group(1)) if m else -1
+
+    return {"vgprs": grab(r";\s*NumVgprs:\s*(\d+)"),
+            "scratch": grab(r";\s*ScratchSize:\s*(\d+)"), "lds": int(getattr(compiled.metadata, "shared", 0) or 0),
+            "hsaco_bytes": len(compiled.asm.get("hsaco", b""))}
+
+
+def ptxas_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, object],
+                 divisible: Iterable[str] = (), num_warps: int = 4, capability: int = 90,
+                 num_stages: int = 3, maxnreg: Optional[int] = None) -> Dict[str, int]:
+    """Compile ``kernel`` (a ``triton.jit`` function) and return its ptxas resource numbers.
+
+    ``types``: Triton type strings ("*fp32", "i32", ...) of the runtime arguments; every other
+    parameter must be in ``constexprs``. ``divisible``: arguments to mark 16-divisible.
+    ``maxnreg``: the register cap the launch passes (None: ptxas chooses).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    src = _source(kernel, types, constexprs, divisible)
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if maxnreg:
         options["maxnreg"] = maxnreg

@@ -1,13 +1,16 @@
-"""Resource report of the Triton paged-attention decode kernels compiled for sm_90 (no GPU)."""
+"""Resource report of the Triton paged-attention kernels compiled ahead of time, without a GPU: for sm_90
+(ptxas: registers, spills) and for AMD gfx942 / gfx950 (the AMDGPU backend: VGPRs, scratch), each with
+the constexprs the launcher picks on that vendor."""
 
 from __future__ import annotations
 
 import inspect
 from typing import Dict
 
+from backend_core.aot import amdgcn_report as _amdgcn_report
 from backend_core.aot import ptxas_report as _ptxas_report
 
-__all__ = ["ptxas_report", "SHIPPED_CONFIGS", "SPILL_ALLOWED"]
+__all__ = ["ptxas_report", "amdgcn_report", "SHIPPED_CONFIGS", "SPILL_ALLOWED", "AMD_SCRATCH_ALLOWED"]
 
 # (D, block_size, G * query_length rows, V 5-D, per-token scales) covering the issue's shapes
 SHIPPED_CONFIGS = [(D, bs, m, v5, pt) for D in (64, 128, 256) for bs in (16, 64, 128) for m in (16, 64)
@@ -26,12 +29,39 @@ SPILL_ALLOWED = {("prefill", 128, 256): 512, ("direct-prefill", 128, 256): 512, 
                  (128, 16, 16, True, True): 48}
 
 
+# AMD (compiled here with Triton 3.6, never run on AMD hardware): scratch bytes per lane allowed per
+# configuration; the tilings were tuned on the H200. The prefill program (D 128, M 256, BT 64, 8 warps) needs
+# all 256 VGPRs and 64 KB of LDS on both archs and spills 496 (gfx942) / 524 (gfx950) bytes; the D 256 decode
+# program with 64-token pages, the 5-D V layout and per-token scales spills 20 / 140 bytes. Every other
+# configuration the test compiles has no scratch.
+AMD_SCRATCH_ALLOWED = {("prefill", 128, 256): 640, (256, 64, 16, 1): 160}
+
+
 def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = False, per_token: bool = False,
                  kernel: str = "partition", ragged: bool = False, queue=None, direct: bool = False,
                  sinks: bool = False) -> Dict[str, int]:
-    """ptxas numbers of one shipped kernel configuration. ``queue``: the partition kernel's launch mode
-    (None: what a shape-only decode plan uses, the task queue for one-warp programs); ``direct``: a grid
-    launch with one partition per item that writes the output rows (no reduce), with ``sinks``."""
+    """ptxas numbers (sm_90) of one shipped kernel configuration. ``queue``: the partition kernel's launch
+    mode (None: what a shape-only decode plan uses, the task queue for one-warp programs); ``direct``: a
+    grid launch with one partition per item that writes the output rows (no reduce), with ``sinks``."""
+    fn, types, constexprs, divisible, warps, stages, maxnreg = _spec(D, block_size, M, v5d, per_token, kernel, ragged,
+                                                                     queue, direct, sinks, amd=None)
+    return _ptxas_report(fn, types, constexprs, divisible, warps, num_stages=stages, maxnreg=maxnreg)
+
+
+def amdgcn_report(arch: str = "gfx942", D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = False,
+                  per_token: bool = False, kernel: str = "partition", ragged: bool = False, queue=None,
+                  direct: bool = False, sinks: bool = False) -> Dict[str, int]:
+    """The AMDGPU backend's numbers (VGPRs, scratch bytes, LDS) of one shipped configuration compiled for
+    ``arch`` as the launcher builds it there: the e4m3fnuz cache type on gfx942 (e4m3fn on gfx950), V's
+    NaN bytes cleared with ``where`` (no maxNum), FP16 Q.K dots, no per-SM counters, no register cap."""
+    fn, types, constexprs, divisible, warps, stages, _ = _spec(D, block_size, M, v5d, per_token, kernel, ragged,
+                                                               queue, direct, sinks, amd=arch)
+    return _amdgcn_report(fn, types, constexprs, divisible, warps, arch=arch, num_stages=stages)
+
+
+def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks, amd):
+    """(kernel, argument types, constexprs, 16-divisible arguments, warps, stages, register cap) of one
+    configuration as the launcher builds it on NVIDIA sm_90 (``amd`` None) or on the AMD ``amd`` arch."""
     from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel
     from .write_kv import write_kv_kernel
 
@@ -39,7 +69,7 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
     types = {}
     for n in inspect.signature(fn.fn).parameters:
         if n in ("p_kc", "p_vc"):
-            types[n] = "*fp8e4nv"
+            types[n] = "*fp8e4b8" if amd == "gfx942" else "*fp8e4nv"  # fp8.py: e4m3fnuz on gfx942
         elif n in ("p_bt", "p_cl", "p_slots", "p_chunks", "p_queue"):
             types[n] = "*i32"
         elif n in ("p_q", "p_out", "p_k", "p_v"):
@@ -64,23 +94,24 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
             G, QL = 4, M // 4
             _, bt, warps, stages = prefill_tiling(D, G, block_size)
         constexprs = dict(HKV=1, G=G, QL=QL, BM=BM, D=D, BS=block_size, BT=bt, ALIGN=max(bt, block_size), V5D=v5d,
-                          K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged, V_MAXNUM=True,
-                          QUEUE=(warps == 1 and not ragged and not direct) if queue is None else queue, SM_SLOTS=256,
-                          DIRECT=direct, HAS_SINKS=sinks,
-                          QK8=BM >= 64)  # what fp8_qk picks on sm_90 with e4m3fn caches
+                          K_PER_TOKEN=per_token, V_PER_TOKEN=per_token, RAGGED=ragged, V_MAXNUM=amd is None,
+                          QUEUE=(warps == 1 and not ragged and not direct) if queue is None else queue,
+                          SM_SLOTS=0 if amd else 256, DIRECT=direct, HAS_SINKS=sinks,
+                          QK8=BM >= 64 and amd is None)  # what fp8_qk picks on sm_90 with e4m3fn caches
         from . import register_cap
 
-        maxnreg = register_cap(warps) if constexprs["QUEUE"] else None
+        maxnreg = register_cap(warps) if constexprs["QUEUE"] and amd is None else None
     elif kernel == "write":
-        constexprs = dict(D=D, BS=block_size, FMAX=448.0, MIN_EXP=-6, V5D=v5d, K_PER_TOKEN=per_token,
-                          V_PER_TOKEN=per_token)
+        fnuz = amd == "gfx942"  # _run_write's FP8 range: e4m3fnuz max 240, smallest exponent -7
+        constexprs = dict(D=D, BS=block_size, FMAX=240.0 if fnuz else 448.0, MIN_EXP=-7 if fnuz else -6, V5D=v5d,
+                          K_PER_TOKEN=per_token, V_PER_TOKEN=per_token)
         warps = 1 if D <= 128 else 2
         stages = 3
     else:
         from . import reduce_unroll, reduce_warps
 
         constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, ALIGN=64, HAS_SINKS=True, RAGGED=ragged, QUEUE=True,
-                          SM_SLOTS=256, UNROLL=reduce_unroll(D, BM))
+                          SM_SLOTS=0 if amd else 256, UNROLL=reduce_unroll(D, BM))
         warps, stages = reduce_warps(D, BM), 3
     if kernel in ("partition", "write") and not v5d:
         # Triton specializes an integer argument equal to 1 as a constant at launch: the 4-D V
@@ -88,4 +119,4 @@ def ptxas_report(D: int = 128, block_size: int = 16, M: int = 16, v5d: bool = Fa
         types.pop("stride_vc_3")
         constexprs["stride_vc_3"] = 1
     divisible = [n for n in types if n.startswith(("p_", "stride_"))]
-    return _ptxas_report(fn, types, constexprs, divisible, warps, num_stages=stages, maxnreg=maxnreg)
+    return fn, types, constexprs, divisible, warps, stages, maxnreg
