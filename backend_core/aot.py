@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from typing import Dict, Iterable, Mapping, Optional
 
-__all__ = ["ptxas_report", "amdgcn_report"]
+__all__ = ["ptxas_report", "amdgcn_report", "run_report_script"]
 
 
 def _source(kernel, types: Mapping[str, str], constexprs: Mapping[str, object], divisible: Iterable[str]):
@@ -94,3 +94,18 @@ def ptxas_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, obje
     return {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
             "spill_loads": grab(r"(\d+) bytes spill loads"), "stack": grab(r"(\d+) bytes stack frame"),
             "shared": int(getattr(compiled.metadata, "shared", 0) or 0)}
+
+
+def run_report_script(script: str, root: str, timeout: float = 900):
+    """Run ``script`` (Python that prints one JSON line last) in a fresh interpreter at ``root`` with
+    Triton's interpreter mode off (a test session may have it on, and compiling for a GPU target needs
+    it off); returns (the completed process, the parsed last line or None when it failed)."""
+    import json
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
+                          timeout=timeout)
+    if proc.returncode != 0:
+        return proc, None
+    return proc, json.loads(proc.stdout.strip().splitlines()[-1])

@@ -4,14 +4,14 @@ Runs on CPU: Triton compiles for an NVIDIA target without a GPU and its bundled 
 the resources (in a subprocess, since the test session runs Triton in interpreter mode).
 """
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from backend_core import platform
+from backend_core.aot import run_report_script
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.skipif(not platform.triton_available(), reason="triton not installed")
 
@@ -26,16 +26,36 @@ print(json.dumps(rows))
 
 
 def test_shipped_configs_have_no_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0 and "ptxas" in proc.stderr and "No such file" in proc.stderr:
+    proc, rows = run_report_script(SCRIPT, ROOT)
+    if rows is None and "ptxas" in proc.stderr and "No such file" in proc.stderr:
         pytest.skip("this Triton wheel ships no ptxas")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert rows is not None, proc.stderr[-3000:]
     *shipped, (_, must_spill) = rows
     assert must_spill["spill_stores"] > 0, must_spill  # the report does see spills
     for config, rep in shipped:
         print(config, rep)
         assert rep["registers"] > 0, (config, rep)
         assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, (config, rep)
+
+
+AMD_SCRIPT = """
+import json
+from kda_backend.triton.resources import SHIPPED_CONFIGS, amdgcn_report
+rows = [[[arch] + list(c), amdgcn_report(arch, *c)] for arch in ("gfx942", "gfx950") for c in SHIPPED_CONFIGS]
+print(json.dumps(rows))
+"""
+
+
+def test_shipped_configs_compile_for_amd_without_scratch():
+    """The same configurations compiled for gfx942 (MI300X) and gfx950 (MI355X): a code object within the
+    register file, no scratch. Compiled here only; nothing ran on AMD hardware."""
+    import triton.backends
+
+    if "amd" not in triton.backends.backends:
+        pytest.skip("this Triton has no AMD backend")
+    proc, rows = run_report_script(AMD_SCRIPT, ROOT)
+    assert rows is not None, proc.stderr[-3000:]
+    assert len(rows) == 2 * 10
+    for config, rep in rows:
+        print(config, rep)
+        assert rep["hsaco_bytes"] > 0 and 0 < rep["vgprs"] <= 512 and rep["scratch"] == 0, (config, rep)

@@ -1,4 +1,5 @@
-"""Resource report of the Triton KDA kernel compiled ahead of time for sm_90 (no GPU needed).
+"""Resource report of the Triton KDA kernel compiled ahead of time for sm_90 and for AMD gfx942 /
+gfx950 (no GPU needed).
 
 The runtime's specialization is imitated (16-byte divisible pointers and strides, unit strides
 folded to constants) so the numbers match what the JIT builds on the device.
@@ -9,9 +10,10 @@ from __future__ import annotations
 import inspect
 from typing import Dict
 
+from backend_core.aot import amdgcn_report as _amdgcn_report
 from backend_core.aot import ptxas_report as _ptxas_report
 
-__all__ = ["ptxas_report", "SHIPPED_CONFIGS"]
+__all__ = ["ptxas_report", "amdgcn_report", "SHIPPED_CONFIGS"]
 
 # (state dtype, f_b, BV, warps): what launch_config picks for K = V = 128 on a 132-SM GPU.
 SHIPPED_CONFIGS = [(dt, fb, bv, 4) for dt in ("fp32", "bf16") for fb, bvs in ((False, (16, 32, 64, 128)), (True, (128,)))
@@ -23,7 +25,19 @@ FP32_POINTERS = ("p_cw", "p_cb", "p_A_log", "p_dt_bias", "p_ows")
 
 def ptxas_report(state_dtype: str = "fp32", with_f_b: bool = False, BV: int = 128, num_warps: int = 4,
                  K: int = 128, H: int = 12, W: int = 4) -> Dict[str, int]:
-    """Registers / spills / stack of one specialization (conv and norm stages on)."""
+    """Registers / spills / stack of one specialization (conv and norm stages on), sm_90."""
+    fn, types, constexprs, divisible = _spec(state_dtype, with_f_b, BV, K, H, W)
+    return _ptxas_report(fn, types, constexprs, divisible, num_warps)
+
+
+def amdgcn_report(arch: str = "gfx942", state_dtype: str = "fp32", with_f_b: bool = False, BV: int = 128,
+                  num_warps: int = 4, K: int = 128, H: int = 12, W: int = 4) -> Dict[str, int]:
+    """VGPRs / scratch / LDS of the same specialization compiled for AMD ``arch`` (never run there)."""
+    fn, types, constexprs, divisible = _spec(state_dtype, with_f_b, BV, K, H, W)
+    return _amdgcn_report(fn, types, constexprs, divisible, num_warps, arch=arch)
+
+
+def _spec(state_dtype, with_f_b, BV, K, H, W):
     from .kda_decode import kda_decode_kernel
 
     types = {}
@@ -41,4 +55,4 @@ def ptxas_report(state_dtype: str = "fp32", with_f_b: bool = False, BV: int = 12
     constexprs = dict(H=H, K=K, V=K, BV=BV, W=W, R=K, BR=K, RC=32, HAS_CONV=True, HAS_BIAS=False, HAS_FB=with_f_b,
                       HAS_NORM=True, USE_LOWER_BOUND=with_f_b, **{n: 1 for n in UNIT_STRIDES})
     divisible = [n for n in types if n.startswith(("p_", "stride_"))]
-    return _ptxas_report(kda_decode_kernel, types, constexprs, divisible, num_warps)
+    return kda_decode_kernel, types, constexprs, divisible

@@ -2,14 +2,14 @@
 spills, but for the measured exceptions in ``SPILL_ALLOWED``; and for AMD gfx942 / gfx950 (the users' MI300X /
 MI355X, where these kernels are the portable path) without scratch, but for ``AMD_SCRATCH_ALLOWED``."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from backend_core import platform
+from backend_core.aot import run_report_script
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.skipif(not platform.triton_available(), reason="triton not installed")
 
@@ -31,13 +31,11 @@ print(json.dumps(rows))
 
 
 def test_decode_kernels_compile_for_sm90_without_spills():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, rows = run_report_script(SCRIPT, ROOT)
+    assert rows is not None, proc.stderr[-3000:]
     from pa_backend.triton.resources import SPILL_ALLOWED
 
-    for config, rep in json.loads(proc.stdout.strip().splitlines()[-1]):
+    for config, rep in rows:
         print(config, rep)
         assert rep["registers"] > 0, (config, rep)
         allowed = SPILL_ALLOWED.get(tuple(config), 0)
@@ -51,11 +49,9 @@ def test_batch_dependent_scalars_are_not_specialized():
     script = ("import json\nfrom pa_backend.triton.pa_decode import pa_decode_partition_kernel as k, "
               "pa_decode_reduce_kernel as r\n"
               "print(json.dumps([[p.name for p in f.params if p.do_not_specialize] for f in (k, r)]))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    part, red = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc, rows = run_report_script(script, ROOT, timeout=300)
+    assert rows is not None, proc.stderr[-3000:]
+    part, red = rows
     assert {"n_items", "P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt", "sliding_window"} <= set(part)
     assert {"P", "few_target", "min_pt", "long_pt", "sliding_window"} <= set(red)
     assert not any(n.startswith("stride_") for n in part + red)
@@ -85,14 +81,10 @@ def test_kernels_compile_for_amd_gfx942_and_gfx950():
 
     if "amd" not in triton.backends.backends:
         pytest.skip("this Triton has no AMD backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", AMD_SCRIPT], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, rows = run_report_script(AMD_SCRIPT, ROOT)
+    assert rows is not None, proc.stderr[-3000:]
     from pa_backend.triton.resources import AMD_SCRATCH_ALLOWED
 
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(rows) == 22
     for config, rep in rows:
         print(config, rep)
