@@ -12,10 +12,8 @@ variants built from the shipped source at run time (nothing here ships):
 and the planner's programs-per-SM target (the P of the 128k grid). Every setting is checked
 against the float64 reference before it is timed.
 Run on the GPU machine from the repo root: python3 benchmarks/pa_probe/grid_probe.py [max_seconds]"""
-import importlib.util
 import os
 import sys
-import tempfile
 import time
 
 import torch
@@ -25,7 +23,7 @@ from backend_core.timing import copy_bandwidth_gbps  # noqa: E402
 from pa_backend import plan_decode  # noqa: E402
 from pa_backend.benchmark import DEFAULT_CONFIGS, MIXED_CONFIG, TABLE_TOKENS, bench_case, kv_bytes  # noqa: E402
 from pa_backend.triton import pa_decode as kmod  # noqa: E402
-from probe_util import checked_timing, kernel_times  # noqa: E402  (this script's folder is on sys.path)
+from probe_util import Relaunch, checked_timing, kernel_times, module_from_source  # noqa: E402  (this folder)
 
 budget = float(sys.argv[1]) if len(sys.argv) > 1 else 1e9
 t0 = time.time()
@@ -59,17 +57,6 @@ def variant_source(name):
     return src
 
 
-class _GridSwap:
-    """Launches a kernel whose axes 0 and 2 are swapped (the pfirst variant)."""
-
-    def __init__(self, k):
-        self.k = k
-
-    def __getitem__(self, grid):
-        return self.k[(grid[2], grid[1], grid[0])]
-
-
-_tmp = tempfile.mkdtemp(prefix="grid_probe_")
 _kernels = {}
 
 
@@ -78,14 +65,10 @@ def use(name):
         kmod.pa_decode_partition_kernel = SHIPPED
         return
     if name not in _kernels:
-        path = os.path.join(_tmp, f"pa_decode_{name.replace('+', '_')}.py")
-        with open(path, "w") as f:
-            f.write(variant_source(name))
-        spec = importlib.util.spec_from_file_location(f"grid_probe_{name.replace('+', '_')}", path)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
+        mod = module_from_source(variant_source(name), f"grid_probe_{name.replace('+', '_')}")
         k = mod.pa_decode_partition_kernel
-        _kernels[name] = _GridSwap(k) if "pfirst" in name else k
+        # the pfirst variant's grid axes 0 and 2 are swapped
+        _kernels[name] = Relaunch(k, adapt=lambda g, kw: ((g[2], g[1], g[0]), kw)) if "pfirst" in name else k
     kmod.pa_decode_partition_kernel = _kernels[name]
 
 
