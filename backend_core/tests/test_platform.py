@@ -108,7 +108,6 @@ def test_flydsl_gating_is_memoized_per_device(fake_gpus, no_arch_env, monkeypatc
     assert sorted(set(calls)) == [0, 1] and len(calls) == 2
 
 
-
 def test_sm_version_from_the_arch():
     from backend_core import platform
     from backend_core.platform import DeviceInfo

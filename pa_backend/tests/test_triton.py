@@ -460,4 +460,3 @@ def test_fp8_qk_switch(monkeypatch):
     monkeypatch.setenv("FLYDSL_BACKENDS_PA_FP8_QK", "yes")
     with pytest.raises(ValueError, match="FLYDSL_BACKENDS_PA_FP8_QK"):
         pt.fp8_qk(torch.device(DEVICE), holder, 64)
-

@@ -256,6 +256,7 @@ class _Launch:
         # one partition per item (a plan bounded by a short max context, or a narrow table): the partition
         # kernel writes the output rows itself and the reduce is not launched (one launch per layer less)
         self.direct = not self.queue_mode and self.split.P == 1
+        self.reduce_warps, self.reduce_unroll = reduce_warps(self.D, self.BM), reduce_unroll(self.D, self.BM)
 
 
 # programs per SM of each compiled partition kernel (platform.resident_programs), filled by its first
@@ -324,7 +325,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
             p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
             HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
             RAGGED=not p.is_decode, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots,
-            UNROLL=reduce_unroll(L.D, L.BM), num_warps=reduce_warps(L.D, L.BM),
+            UNROLL=L.reduce_unroll, num_warps=L.reduce_warps,
         )
     except BaseException:
         # the reduce zeroes the task counters the partition kernel just used; without it every later
