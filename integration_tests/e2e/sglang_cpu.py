@@ -43,11 +43,25 @@ SPEC_ALGORITHMS = ("STANDALONE", "EAGLE")
 DRAFT_BACKEND = "torch_native"
 
 
+class SpecDeclarations:
+    """What a test platform declares for speculative decoding (``install_spec_seams``: STANDALONE and EAGLE,
+    the draft on ``torch_native``); mixed in before SGLang's ``SRTPlatform`` by the CPU and GPU platforms."""
+
+    def supports_speculative_algorithm(self, algorithm: str) -> bool:
+        return algorithm in SPEC_ALGORITHMS
+
+    def supports_speculative_draft_attention_backend(self, algorithm: str, backend: str) -> bool:
+        return algorithm in SPEC_ALGORITHMS and backend == DRAFT_BACKEND
+
+    def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
+        return DRAFT_BACKEND
+
+
 def _platform_class():
     from sglang.srt.platforms.cpu import CpuDeviceMixin
     from sglang.srt.platforms.interface import PlatformCapabilities, PlatformEnum, SRTPlatform
 
-    class TestCpuPlatform(CpuDeviceMixin, SRTPlatform):
+    class TestCpuPlatform(SpecDeclarations, CpuDeviceMixin, SRTPlatform):
         """SGLang's CPU device operations as an out-of-tree platform: no Triton, no graphs, no
         sgl_kernel; layers run their torch-native forwards."""
 
@@ -64,15 +78,6 @@ def _platform_class():
 
         def is_pin_memory_available(self, device=None) -> bool:
             return False
-
-        def supports_speculative_algorithm(self, algorithm: str) -> bool:
-            return algorithm in SPEC_ALGORITHMS
-
-        def supports_speculative_draft_attention_backend(self, algorithm: str, backend: str) -> bool:
-            return algorithm in SPEC_ALGORITHMS and backend == DRAFT_BACKEND
-
-        def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
-            return DRAFT_BACKEND
 
     return TestCpuPlatform
 

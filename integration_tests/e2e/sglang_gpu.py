@@ -77,9 +77,10 @@ def _platform_class():
     from sglang.srt.platforms.cuda import CudaDeviceMixin
     from sglang.srt.platforms.interface import PlatformCapabilities, PlatformEnum, SRTPlatform
 
-    class TestCudaPlatform(CudaDeviceMixin, SRTPlatform):
+    class TestCudaPlatform(sglang_cpu.SpecDeclarations, CudaDeviceMixin, SRTPlatform):
         """SGLang's CUDA device operations as an out-of-tree platform: torch-native layers, Triton
-        allowed, decode CUDA graphs with SGLang's own runner; no sgl_kernel."""
+        allowed, decode CUDA graphs with SGLang's own runner; no sgl_kernel. Speculative decoding as
+        declared on the CPU platform (SGLang's spec-path Triton kernels native here)."""
 
         _enum = PlatformEnum.OOT
         device_name = "cuda"
@@ -99,17 +100,6 @@ def _platform_class():
 
         def get_group_coordinator_device(self, local_rank: int):
             return torch.device(f"cuda:{local_rank}")
-
-        # speculative decoding as on the CPU platform (sglang_cpu.install_spec_seams: SGLang's Triton tree
-        # kernels, a torch_native draft), its Triton kernels native here
-        def supports_speculative_algorithm(self, algorithm: str) -> bool:
-            return algorithm in sglang_cpu.SPEC_ALGORITHMS
-
-        def supports_speculative_draft_attention_backend(self, algorithm: str, backend: str) -> bool:
-            return algorithm in sglang_cpu.SPEC_ALGORITHMS and backend == sglang_cpu.DRAFT_BACKEND
-
-        def get_default_speculative_draft_attention_backend(self, algorithm: str) -> str:
-            return sglang_cpu.DRAFT_BACKEND
 
     return TestCudaPlatform
 
