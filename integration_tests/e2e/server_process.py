@@ -21,6 +21,19 @@ START_TIMEOUT_S = 240
 STOP_TIMEOUT_S = 60
 
 
+def on_cuda() -> bool:
+    """Whether the server runs on the GPU (the test's CUDA form) rather than the CPU platform."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def expected_impl() -> str:
+    """The paged-attention implementation the server's registry picks: the Triton kernels on a GPU, the
+    torch reference on CPU (the log line the serve tests look for)."""
+    return "triton" if on_cuda() else "torch"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

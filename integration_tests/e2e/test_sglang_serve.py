@@ -33,24 +33,19 @@ sglang_cpu.skip_without_engine()
 for _mod in ("jsonschema", "soundfile", "multipart", "uvicorn", "fastapi"):  # what launch_server adds
     pytest.importorskip(_mod, reason=f"{_mod} missing: build the venv with integration_tests/setup-cpu-env.sh sglang DIR")
 from integration_tests.e2e import tiny_model as tm  # noqa: E402
-from integration_tests.e2e.server_process import STOP_TIMEOUT_S, ServerProcess, get, post  # noqa: E402
+from integration_tests.e2e.server_process import (STOP_TIMEOUT_S, ServerProcess, expected_impl, get,  # noqa: E402
+                                                  on_cuda, post)
 
 NEW_TOKENS = 12
 pytestmark = pytest.mark.skipif(os.environ.get("FLYDSL_E2E_SKIP_SERVE") == "1",
                                 reason="FLYDSL_E2E_SKIP_SERVE=1")
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 class Server(ServerProcess):
     def __init__(self, model_dir: Path, workdir: Path):
         super().__init__(workdir / "server.log")
         self.trace = workdir / "attention.jsonl"
-        if _cuda():
+        if on_cuda():
             from integration_tests.e2e import sglang_gpu
 
             platform_env, device = sglang_gpu.prepare(workdir / "platform"), "cuda"
@@ -130,7 +125,7 @@ def test_generate_follows_the_kv_and_matches_hf(server, model_dir):
     log = server.log_text()
     # the scheduler's paged-attention calls went through this project's registry (torch on CPU, the Triton
     # kernels on a GPU)
-    impl = "triton" if _cuda() else "torch"
+    impl = expected_impl()
     for op in ("write_kv", "pa_prefill", "pa_decode"):
         assert f"{op}: backend='auto' chose '{impl}'" in log, log[-4000:]
 

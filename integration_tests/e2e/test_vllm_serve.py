@@ -32,18 +32,12 @@ for _mod in ("uvicorn", "fastapi", "model_hosting_container_standards", "prometh
     pytest.importorskip(_mod, reason=f"{_mod} missing: build the venv with integration_tests/setup-cpu-env.sh vllm DIR")
 
 from integration_tests.e2e import tiny_model as tm  # noqa: E402
-from integration_tests.e2e.server_process import (ROOT, STOP_TIMEOUT_S, ServerProcess, get,  # noqa: E402
-                                                  post)
+from integration_tests.e2e.server_process import (ROOT, STOP_TIMEOUT_S, ServerProcess, expected_impl, get,  # noqa: E402
+                                                  on_cuda, post)
 
 NEW_TOKENS = 12
 pytestmark = pytest.mark.skipif(os.environ.get("FLYDSL_E2E_SKIP_SERVE") == "1",
                                 reason="FLYDSL_E2E_SKIP_SERVE=1")
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 class Server(ServerProcess):
@@ -52,7 +46,7 @@ class Server(ServerProcess):
         self.model = str(model_dir)
         env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
-        if _cuda():
+        if on_cuda():
             from integration_tests.e2e import vllm_gpu
 
             vllm_gpu.prepare()  # this process reads vLLM's config classes (serve_args): the CUDA platform's imports
@@ -129,7 +123,7 @@ def test_completions_follow_the_kv_and_match_hf(server, model_dir):
     assert "flydsl-backends: vLLM plugin registered" in log
     # the engine core's paged-attention calls went through this project's registry (torch on CPU, the Triton
     # kernels on a GPU)
-    impl = "triton" if _cuda() else "torch"
+    impl = expected_impl()
     assert re.search(rf"\(EngineCore[^)]*\) INFO flydsl_backends: pa_(decode|prefill): backend='auto' chose '{impl}'",
                      log), log[-4000:]
 
