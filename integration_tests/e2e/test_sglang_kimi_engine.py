@@ -135,7 +135,7 @@ def _score(eng, prompts, gens):
 def _serve(model_dir, tmp, hook: bool, follow_up_base=None):
     """The three phases on one engine; per phase the results, the op's calls (rows per call) and
     the KDA backend's batches."""
-    cuda = torch.cuda.is_available()  # a GPU: sglang_gpu's platform, MLA on SGLang's triton backend (not run yet)
+    cuda = torch.cuda.is_available()  # a GPU: sglang_gpu's platform, MLA on SGLang's triton backend
     calls, batches = tmp / "calls", tmp / "batches"
     mp = pytest.MonkeyPatch()
     sglang_kimi.prepare(tmp / "platform", mp, count_path=calls, batch_path=batches, cuda=cuda)
