@@ -23,6 +23,7 @@ from backend_core.validation import (
     addresses,
     may_overlap,
     require_float,
+    require_int32_span,
     require_non_overlapping,
     require_shape,
     require_tensor,
@@ -143,6 +144,9 @@ def _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor:
             f"got {list(value_cache.shape)}")
     require_unit_stride(value_cache, "value_cache")
     require_non_overlapping(value_cache, "value_cache")
+    # the kernels offset blocks and KV heads in int64 and everything inside one (block, head) slice in int32
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        require_int32_span(t[0, 0], name, "one (block, KV head) slice")
     if may_overlap(key_cache, value_cache):
         raise ValueError("value_cache: shares memory with key_cache; the K and V caches must be separate "
                          "(they may interleave in one allocation, as vLLM's pages do, but no byte may be shared)")
@@ -156,6 +160,7 @@ def _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor:
             require_shape(sc, name, (NB, Hkv, bs), "[num_blocks, Hkv, block_size] (per token)")
             require_unit_stride(sc, name)
             require_non_overlapping(sc, name)
+            require_int32_span(sc[0, 0], name, "one (block, KV head) slice")
         else:
             raise ValueError(f"{name}: expected a per-tensor scale (0-dim or [1]) or per-token [num_blocks, Hkv, "
                              f"block_size] = [{NB}, {Hkv}, {bs}], got shape {list(sc.shape)}")

@@ -241,3 +241,57 @@ def test_block_id_past_the_cache_raises_in_the_reference():
     with pytest.raises(ValueError, match="block_tables: sequence 1 names a block outside"):
         pa_decode(**dict(kw, block_tables=bt), backend="torch")
     assert same_bytes(kw, before)
+
+
+# --- 6. caches stored KV-heads-outermost: head offsets past 2^31 ----------------------------------
+HEAD_MAJOR = dict(Hkv=3, NB=1_100_000, D=64, bs=16)  # head stride 1.13e9 bytes (< 2^31), head 2 at 2.25e9
+
+
+def head_major_caches(Hkv, NB, D, bs):
+    """[NB, Hkv, ...] FP8 caches whose storage is head-major; only blocks 0-1 are touched (sentinel 448), so the
+    3.4 GB of each stays virtual."""
+    kb = torch.empty((Hkv, NB, D // 16, bs, 16), dtype=torch.uint8, device=DEVICE)
+    vb = torch.empty((Hkv, NB, D, bs), dtype=torch.uint8, device=DEVICE)
+    for b in (kb, vb):
+        b[:, :2].fill_(0x7E)
+    return kb.view(torch.float8_e4m3fn).permute(1, 0, 2, 3, 4), vb.view(torch.float8_e4m3fn).permute(1, 0, 2, 3)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_head_offsets_past_int32(impl):
+    """A legal layout whose head stride times Hkv passes 2^31 elements: the Triton kernels offset heads in
+    int64 (they wrapped to 1.8 GB before the cache: a write outside it, or a crash)."""
+    Hkv, NB, D, bs = HEAD_MAJOR.values()
+    kc, vc = head_major_caches(Hkv, NB, D, bs)
+    assert kc.stride(1) < 2**31 <= (Hkv - 1) * kc.stride(1)
+    ref_k = torch.full((2, Hkv, D // 16, bs, 16), 0x7E, dtype=torch.uint8, device=DEVICE).view(kc.dtype)
+    ref_v = torch.full((2, Hkv, D, bs), 0x7E, dtype=torch.uint8, device=DEVICE).view(kc.dtype)
+    ks, vs = torch.tensor(0.02, device=DEVICE), torch.tensor(0.015, device=DEVICE)
+    g = torch.Generator().manual_seed(5)
+    key, value = (torch.randn(20, Hkv, D, generator=g).bfloat16().to(DEVICE) for _ in range(2))
+    slots = torch.arange(20, dtype=torch.int64, device=DEVICE)  # blocks 0 and 1
+    write_kv(key, value, kc, vc, slots, ks, vs, backend=impl)
+    write_kv(key, value, ref_k, ref_v, slots, ks, vs, backend="torch")
+    assert torch.equal(kc[:2].contiguous().view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(vc[:2].contiguous().view(torch.uint8), ref_v.view(torch.uint8))
+    q = torch.randn(1, 2 * Hkv, D, generator=g).bfloat16().to(DEVICE)
+    bt = torch.tensor([[0, 1, 7, NB - 1]], dtype=torch.int32, device=DEVICE)  # past the context: never read
+    cl = torch.tensor([20], dtype=torch.int32, device=DEVICE)
+    got = pa_decode(q, kc, vc, bt, cl, ks, vs, backend=impl)
+    want = pa_decode(q, ref_k, ref_v, bt[:, :2], cl, ks, vs, backend="torch")
+    assert (got.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+
+
+def test_a_block_slice_past_int32_is_rejected():
+    """Offsets inside one (block, KV head) slice are int32 in the kernels: a layout whose slice spans more is
+    refused before anything is written."""
+    base = torch.empty(3 * 800_000_000 + 4096, dtype=torch.uint8, device=DEVICE)  # virtual: never touched
+    kc = base.as_strided((1, 1, 4, 16, 16), (4096, 4096, 800_000_000, 16, 1)).view(torch.float8_e4m3fn)
+    vc = torch.zeros((1, 1, 64, 16), dtype=torch.uint8, device=DEVICE).view(torch.float8_e4m3fn)
+    s = torch.tensor(1.0, device=DEVICE)
+    x = torch.zeros(1, 1, 64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(ValueError, match=r"key_cache: one \(block, KV head\) slice spans \d+ elements, past the int32"):
+        write_kv(x, x, kc, vc, torch.zeros(1, dtype=torch.int64, device=DEVICE), s, s, backend="torch")
+    with pytest.raises(ValueError, match=r"key_cache: one \(block, KV head\) slice spans"):
+        pa_decode(x, kc, vc, torch.zeros((1, 1), dtype=torch.int32, device=DEVICE),
+                  torch.ones(1, dtype=torch.int32, device=DEVICE), s, s, backend="torch")

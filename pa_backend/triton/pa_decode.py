@@ -70,7 +70,8 @@
 # one load per RED_PC partitions; the weighted sums loop over them, UNROLL partitions per step (their
 # loads in flight together; a plain loop costs one memory round trip per partition).
 #
-# Offsets: block ids and row offsets are int64 (caches > 2 GiB); offsets inside one block are int32.
+# Offsets: block ids, KV-head offsets into the caches and row offsets are int64 (caches > 2 GiB, any order
+# of their dimensions); offsets inside one (block, head) slice are int32 (the contract checks their span).
 
 import triton
 import triton.language as tl
@@ -350,11 +351,12 @@ def _partition_task(
     if not K_PER_TOKEN:
         qk_scale = qk_scale * tl.load(p_ks)
     row_scale = qk_scale * q_pow
+    i_hkv = i_h.to(tl.int64)  # the caches' head offsets in int64: a head stride times Hkv may pass 2^31
     # dynamic trip counts: the partition's own tiles, whatever the table width
     for jt in tl.range(0, n_full):
         b_m, b_l, b_acc = _attend_tile(
             b_m, b_l, b_acc, b_q, b_q_lo, row_scale, last, first, m_valid, u0 + jt * BT, end,
-            p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
+            p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_hkv, num_blocks,
             stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
             stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
             D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, False, QK8)
@@ -363,7 +365,7 @@ def _partition_task(
         tile_start = tl.where(jt < n_pre, start + jt * BT, u1 + (jt - n_pre) * BT)
         b_m, b_l, b_acc = _attend_tile(
             b_m, b_l, b_acc, b_q, b_q_lo, row_scale, last, first, m_valid, tile_start, end,
-            p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
+            p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_hkv, num_blocks,
             stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
             stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
             D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, True, QK8)

@@ -5,7 +5,7 @@
 # cache: the token is skipped, nothing stored), computes the per-token scale amax(|x|) / fp8_max
 # when the cache uses per-token scales (and stores it), and stores clamp(x / scale) rounded to FP8
 # into the x-packed K layout [b, h, d // 16, offset, d % 16] and either V layout. Block ids are
-# int64 (caches > 2 GiB).
+# int64, and so are head offsets (caches > 2 GiB, in any order of their dimensions).
 #
 # Rounding: the value is first rounded to the FP8 grid in FP32 (3 mantissa bits, round half to
 # even, subnormals below 2**MIN_EXP), so the final conversion is exact. That gives the same bytes
@@ -54,7 +54,7 @@ def write_kv_kernel(
     K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
+    i_h = tl.program_id(1).to(tl.int64)  # head offsets in int64: a cache's head stride times Hkv may pass 2^31
     o_d = tl.arange(0, D)
     slot = tl.load(p_slots + i_t * stride_slot).to(tl.int64)
     live = (slot >= 0) & (slot < capacity)
