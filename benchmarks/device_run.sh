@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify bench-kda bench-pa sweep-pa e2e-vllm
 # e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang spec-sglang kimi-sglang
-# probe-warps probe-grid probe-tail profile-vllm
+# probe-warps probe-grid probe-tail probe-short profile-vllm
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
 # Optional wheels (fla-core for the composed KDA baseline) travel in .whl/ and go to /tmp/site.
@@ -103,6 +103,9 @@ for step in $steps; do
     probe-grid) cmd=(python3 benchmarks/pa_probe/grid_probe.py "${PROBE_SECONDS:-300}") ;;
     # the reduce against a base commit's kernels, split sizes (PROBE_BASE_COMMIT, PROBE_VARIANTS)
     probe-tail) cmd=(python3 benchmarks/pa_probe/tail_probe.py "${PROBE_SECONDS:-300}") ;;
+    # short and mid contexts at the engines' head counts, many layers per graph, against SGLang's own decode kernel
+    probe-short) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 benchmarks/pa_probe/short_probe.py
+                      "${PROBE_SECONDS:-400}") ;;
     profile-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 benchmarks/pa_probe/engine_step_profile.py) ;;
     *) echo "unknown step $step"; rc=2; continue ;;
   esac
