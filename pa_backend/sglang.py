@@ -159,7 +159,8 @@ def _build_backend_class():
                 _kv_pool_leaf(self.token_to_kv_pool).pa_impl = self.pa_impl  # the pool's write_kv follows
             P = self.page_size
             self.max_blocks = -(-self.max_context_len // P)
-            self._page_starts = torch.arange(0, self.max_blocks * P, P, dtype=torch.long, device=self.device)
+            # a view, [pool rows, max_blocks]: the token slot of each page's first token (no copy)
+            self._page_first_slots = self.req_to_token[:, ::P]
             self._one = torch.ones((), dtype=torch.float32, device=self.device)
             # eager decode / verify batches write their tables here (grow-only): the same addresses step after
             # step, so the layers' memoized argument checks keep hitting (a fresh tensor per step missed them)
@@ -169,6 +170,7 @@ def _build_backend_class():
             self.cuda_graph_context_lens = None
             self.cuda_graph_max_bs = 0
             self.cuda_graph_query_length = 1
+            self._graph_metadata = {}
 
         # -- construction checks -----------------------------------------------------------
         def _validate(self, runner):
@@ -253,12 +255,15 @@ def _build_backend_class():
                                      f"for this model ({_WORKING})")
 
         # -- metadata ----------------------------------------------------------------------
-        def _block_table(self, req_pool_indices: torch.Tensor) -> torch.Tensor:
-            """[bs, max_blocks] int32 page ids: req_to_token[row, j*P] // P (static shape, no host sync;
-            padded rows use req-pool row 0, which is all zeros, i.e. page 0)."""
-            rows = req_pool_indices.long()[:, None]
-            return torch.div(self.req_to_token[rows, self._page_starts[None, :]], self.page_size,
-                             rounding_mode="floor").to(torch.int32)
+        def _block_table(self, req_pool_indices: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+            """[bs, max_blocks] int32 page ids: req_to_token[row, j*P] // P, written into ``out`` when given
+            (static shape, no host sync, two kernels: a row gather and the division; padded rows use req-pool
+            row 0, which is all zeros, i.e. page 0)."""
+            if out is None:
+                out = torch.empty((int(req_pool_indices.shape[0]), self.max_blocks), dtype=torch.int32,
+                                  device=self.device)
+            rows = torch.index_select(self._page_first_slots, 0, req_pool_indices)
+            return torch.floor_divide(rows, self.page_size, out=out)
 
         @staticmethod
         def _reject_spec(mode):
@@ -337,7 +342,7 @@ def _build_backend_class():
             """The first ``bs`` rows of the persistent ``block_tables`` / ``context_lens`` filled in place
             (seq_lens + ``extra``: the draft tokens of a verify batch); returns those views."""
             bt, cl = block_tables[:bs], context_lens[:bs]
-            bt.copy_(self._block_table(forward_batch.req_pool_indices[:bs]))
+            self._block_table(forward_batch.req_pool_indices[:bs], out=bt)
             torch.add(forward_batch.seq_lens[:bs], extra, out=cl)
             return bt, cl
 
@@ -360,6 +365,7 @@ def _build_backend_class():
                                                            device=self.device)
                 self.cuda_graph_context_lens = torch.ones((max_bs,), dtype=torch.int32, device=self.device)
                 self.cuda_graph_max_bs = max_bs
+                self._graph_metadata = {}  # (bs, query length) -> the metadata over these buffers
             self.cuda_graph_query_length = n  # 1: decode graphs; 2..4: target-verify graphs (speculative decoding)
             if self.device.type == "cuda" and self.num_q_heads is not None:
                 from .planner import reserve
@@ -384,8 +390,13 @@ def _build_backend_class():
             # decode seq_lens include the new token; verify seq_lens exclude the n drafts
             bt, cl = self._fill_tables(self.cuda_graph_block_tables, self.cuda_graph_context_lens, forward_batch, bs,
                                        n if verify else 0)
-            # shape-only plan over the static buffers: the captured kernels split the replayed contexts
-            self.forward_metadata = FlyDSLForwardMetadata(bt, cl, None, n, plan_decode(bt, cl, query_length=n))
+            # shape-only plan over the static buffers (the captured kernels split the replayed contexts), made
+            # once per graph: a replay refills the same rows, so the plan made at capture still describes them
+            md = self._graph_metadata.get((bs, n))
+            if md is None or in_capture:
+                md = self._graph_metadata[(bs, n)] = FlyDSLForwardMetadata(bt, cl, None, n,
+                                                                           plan_decode(bt, cl, query_length=n))
+            self.forward_metadata = md
 
         def get_cuda_graph_seq_len_fill_value(self):
             return 1
