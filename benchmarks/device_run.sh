@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify bench-kda bench-pa sweep-pa e2e-vllm
 # e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang spec-sglang kimi-sglang
-# probe-warps probe-grid probe-tail probe-short profile-vllm
+# probe-warps probe-grid probe-tail probe-short probe-short-vllm profile-vllm
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
 # Optional wheels (fla-core for the composed KDA baseline) travel in .whl/ and go to /tmp/site.
@@ -106,6 +106,9 @@ for step in $steps; do
     # short and mid contexts at the engines' head counts, many layers per graph, against SGLang's own decode kernel
     probe-short) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 benchmarks/pa_probe/short_probe.py
                       "${PROBE_SECONDS:-400}") ;;
+    # the same against vLLM's TRITON_ATTN (the tree again, for a same-process comparison)
+    probe-short-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" PROBE_VARIANTS=tree,vllm
+                           python3 benchmarks/pa_probe/short_probe.py "${PROBE_SECONDS:-300}") ;;
     profile-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 benchmarks/pa_probe/engine_step_profile.py) ;;
     *) echo "unknown step $step"; rc=2; continue ;;
   esac

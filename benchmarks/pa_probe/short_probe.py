@@ -20,10 +20,15 @@ Variants (PROBE_VARIANTS, comma-separated):
              the reduce skips it (sm_90 compile: the one-warp program spills 108 bytes instead of 4)
   sglang     SGLang 0.5.23's decode_attention_fwd on the same values (sglang_baseline.py), when importable:
              its two kernels per layer in the graph; its per-step split-count kernel in the profile only
+  vllm       vLLM 0.33.0's TRITON_ATTN forward (vllm_baseline.py: its metadata builder, KV layout and FP8 query
+             as on CUDA), when importable
 
-Run on the GPU machine from the repo root, SGLang's Python tree on the path when the baseline is wanted:
+Run on the GPU machine from the repo root, SGLang's or vLLM's Python tree on the path for its baseline
+(device_run.sh probe-short / probe-short-vllm; one framework per process):
   python3 benchmarks/pa_probe/short_probe.py [max_seconds]
 PROBE_LAYERS (default 8), PROBE_CASES=quick (a subset) change the work."""
+import importlib
+import importlib.util
 import os
 import sys
 import time
@@ -97,13 +102,16 @@ class Flydsl:
         return [lambda a=a, o=o: plan.run(**a, out=o) for a, o in zip(args, outs)]
 
 
-def sglang_builder():
-    try:
-        import sglang_baseline
-        return sglang_baseline.build
-    except Exception as exc:  # noqa: BLE001 - reported, the other variants still run
-        print(f"sglang baseline unavailable: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
+# the frameworks' own decode kernels on the same values: variant -> (package, builder module)
+BASELINES = {"sglang": ("sglang", "sglang_baseline"), "vllm": ("vllm", "vllm_baseline")}
+
+
+def baseline_builder(name):
+    package, module = BASELINES[name]
+    if importlib.util.find_spec(package) is None:
+        print(f"{name} baseline: {package} is not importable here", flush=True)
         return None
+    return importlib.import_module(module).build
 
 
 def variants():
@@ -113,9 +121,10 @@ def variants():
         out["direct"] = Flydsl(kernels=direct_kernels())
     except Exception as exc:  # noqa: BLE001
         print(f"direct variant unavailable: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-    sgl = sglang_builder()
-    if sgl is not None:
-        out["sglang"] = sgl
+    for name in BASELINES:
+        build = baseline_builder(name)
+        if build is not None:
+            out[name] = build
     return out
 
 
@@ -128,16 +137,20 @@ def run_variant(name, v, layers, nbytes, copy, label, rnd):
             return _measure(name, calls, outs, layers, nbytes, copy, label, rnd, match)
     launches, outs = [], []
     for kw in layers:
+        if DRY:  # Triton 3.6's interpreter multiplies bf16 dot operands as integers: hand the baselines FP16
+            kw = dict(kw, query=kw["query"].half())  # (exact for these values)
         launch, o = v(kw)
         launches.append(launch)
         outs.append(o)
-    # SGLang computes the split counts once per step (outside its graphs) and runs 2 kernels per layer: the
-    # graph times the layers; the profile shows the per-step kernel too. Its grouped kernel takes Q and P in
-    # FP8: ~3e-2 from the float64 reference (sglang_baseline.py), so it is held to 6e-2.
+    # The per-step device work (SGLang's split counts, outside its graphs; none for vLLM) runs once before the
+    # graph, which times the per-layer kernels; the profile shows both. Both frameworks take Q and P in FP8
+    # (SGLang's grouped kernel; vLLM quantizes the query on CUDA): ~3e-2 from the float64 reference, so the
+    # baselines are held to 6e-2.
     for la in launches:
         la.step()
     return _measure(name, [la.layer for la in launches], outs, layers, nbytes, copy, label, rnd,
-                    ("decode", "fwd_kernel", "stage", "num_kv_splits"), max_err=6e-2, profiled=launches[0])
+                    ("decode", "fwd_kernel", "stage", "num_kv_splits", "unified_attention", "reduce_segments"),
+                    max_err=6e-2, profiled=launches[0])
 
 
 def _measure(name, calls, outs, layers, nbytes, copy, label, rnd, match, max_err=1e-2, profiled=None):
