@@ -133,3 +133,22 @@ def test_sglang_conv_weight_cache_follows_the_tensors():
     del q
     gc.collect()
     assert len(ks._cuda_conv_weight_cache) == n - 1
+
+
+def test_b_head_offsets_past_int32(impl):
+    """``b`` is taken with any strides: a head stride of 2^30 elements puts head 2 at 2^31, which the Triton
+    kernel's int32 head term wrapped to 4 GiB before ``b`` (it read a stray beta there and updated the state
+    with it). The buffer behind ``b`` is 8 GiB of virtual memory, a few pages touched."""
+    case = make_case(B=1, H=3, K=32, W=4, device=DEVICE, seed=7)
+    b = case.kwargs["b"]
+    base = torch.empty(2**32 + 16, dtype=b.dtype, device=DEVICE)
+    base[:16] = 10.0  # where the wrapped offset of head 2 lands
+    wide = base[2**31:].as_strided(tuple(b.shape), (int(b.shape[-1]) if b.dim() > 1 else 1,) * (b.dim() - 1)
+                                   + (2**30,))
+    wide.copy_(b)
+    twin = clone_caches(case)
+    got = case.call(impl, b=wide)
+    want = twin.call(impl, b=b.clone())
+    assert torch.equal(got, want)
+    for k in case.storage:
+        assert torch.equal(case.storage[k].view(torch.uint8), twin.storage[k].view(torch.uint8)), k

@@ -155,7 +155,8 @@ def kda_decode_kernel(
         b_g = lower_bound * tl.sigmoid(b_A * b_z)
     else:
         b_g = -b_A * tl.where(b_z > 20.0, b_z, tl.log(1.0 + tl.exp(b_z)))
-    b_beta = tl.sigmoid(tl.load(p_b + i_n * stride_b_n + i_h * stride_b_h).to(tl.float32))
+    # b's head stride is any int (b is accepted with any strides, its span unchecked): the head term in int64
+    b_beta = tl.sigmoid(tl.load(p_b + i_n * stride_b_n + i_h.to(tl.int64) * stride_b_h).to(tl.float32))
 
     # Delta rule on the [BV, K] tile, FP32.
     b_S = b_S * tl.exp(b_g)[None, :]
