@@ -152,3 +152,25 @@ def test_b_head_offsets_past_int32(impl):
     assert torch.equal(got, want)
     for k in case.storage:
         assert torch.equal(case.storage[k].view(torch.uint8), twin.storage[k].view(torch.uint8)), k
+
+
+def test_flydsl_declines_byte_spans_past_int32():
+    """The own FlyDSL kernel's buffer accesses take 32-bit byte offsets from each base: a layout the contract
+    accepts (its spans are bounded in elements) but whose fp32 conv_weight spans more than 2^31 bytes is
+    declined with the reason, so ``auto`` serves it elsewhere and ``backend="flydsl"`` raises before any launch.
+    Runs without FlyDSL or a GPU (coverage only); the kernel itself has never run here (no AMD GPU)."""
+    from kda_backend import contract
+    from kda_backend.flydsl import kernel
+
+    case = make_case(B=1, H=3, K=128, W=4, device=DEVICE, seed=3)
+    kw = dict(case.kwargs)
+    kw.setdefault("a", None)
+    assert kernel.supports(contract.prepare(**kw, with_f_b=False)) == (True, "ok")
+    cw = kw["conv_weight"]
+    C, W = cw.shape
+    step = 2**29 // (C - 1) + 1  # span (C - 1) * step + W elements: < 2^31, but x 4 bytes > 2^31
+    base = torch.empty((C - 1) * step + W, dtype=cw.dtype, device=DEVICE)  # virtual, C rows touched
+    wide = base.as_strided((C, W), (step, 1))
+    wide.copy_(cw)
+    ok, why = kernel.supports(contract.prepare(**dict(kw, conv_weight=wide), with_f_b=False))
+    assert not ok and why.startswith("conv_weight: the tensor spans ") and "32-bit byte offsets" in why, why
