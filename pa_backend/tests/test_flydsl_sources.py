@@ -10,7 +10,7 @@ import torch
 from backend_core import flydsl_source, platform
 from backend_core.testing import (amd_props, clear_device_memos, fake_gpus, install_fake_aiter, nvidia_props,
                                   pretend_flydsl_device)
-from pa_backend import REGISTRY, fp8_dtype_for, is_pa_decode_supported
+from pa_backend import REGISTRY, fp8_dtype_for, is_pa_decode_supported, pa_decode
 from pa_backend import flydsl as pflydsl
 from pa_backend.contract import prepare_attention, prepare_write
 from pa_backend.flydsl import aiter as paiter
@@ -41,16 +41,54 @@ def problem(case):
 
 @pytest.mark.parametrize("params", [
     dict(query_length=1, scales="tensor", v_layout="4d", Hq=4, Hkv=1),
-    dict(query_length=3, scales="token", v_layout="5d", Hq=8, Hkv=2, sliding_window=9, sinks=True),
+    dict(query_length=3, scales="token", v_layout="5d", Hq=8, Hkv=2),
+    dict(query_length=1, scales="tensor", v_layout="4d", Hq=8, Hkv=2, block_size=64),
 ])
 def test_aiter_mapping_matches_reference(standin, amd_here, params):
-    case = make_pa_case([1, 40, 97], D=64, block_size=16, extra_table=20, **params)
+    params = dict(params)
+    bs = params.pop("block_size", 16)
+    case = make_pa_case([1, 40, 97], D=64, block_size=bs, extra_table=20, **params)
     want = case.call("torch", out=torch.full_like(case.kwargs["query"], float("nan")))
     got = case.call("flydsl", out=torch.full_like(case.kwargs["query"], float("nan")))
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     ql, parts, size = standin.calls[-1]
-    table_tokens = case.kwargs["block_tables"].shape[1] * 16
+    table_tokens = case.kwargs["block_tables"].shape[1] * bs
     assert (ql, size) == (params["query_length"], 256) and parts == -(-table_tokens // 256)
+
+
+@pytest.mark.parametrize("change, reason", [
+    ("interleaved", "a strided key_cache"),
+    ("table_rows", "strided block_tables rows"),
+    ("sinks", "sinks / a sliding window"),
+    ("window", "sinks / a sliding window"),
+    ("block128", "block size 128"),
+    ("wide_table", "at most 64 partitions"),
+])
+def test_aiter_declines_what_its_kernel_cannot_read(standin, amd_here, change, reason):
+    """What the readable AITER kernel cannot serve goes to the Triton kernel (auto) with the reason, instead of a
+    misread cache (it derives the caches' strides from their shapes) or a raise inside a server's step."""
+    bs = 128 if change == "block128" else 16
+    case = make_pa_case([20, 33], D=64, block_size=bs, extra_table=1100 if change == "wide_table" else 2)
+    kw = dict(case.kwargs)
+    if change == "interleaved":  # vLLM's pages: K and V of a block side by side in one allocation
+        kc, vc = kw["key_cache"], kw["value_cache"]
+        page = torch.empty((kc.shape[0], 2, kc[0].numel()), dtype=torch.uint8)
+        page[:, 0].copy_(kc.view(torch.uint8).reshape(kc.shape[0], -1))
+        page[:, 1].copy_(vc.view(torch.uint8).reshape(vc.shape[0], -1))
+        kw["key_cache"] = page[:, 0].view(kc.dtype).view(kc.shape)
+        kw["value_cache"] = page[:, 1].view(vc.dtype).view(vc.shape)
+        assert not kw["key_cache"].is_contiguous()
+    elif change == "table_rows":
+        bt = kw["block_tables"]
+        kw["block_tables"] = torch.cat([bt, bt], 1)[:, :bt.shape[1]]
+    elif change == "sinks":
+        kw["sinks"] = torch.zeros(kw["query"].shape[1])
+    elif change == "window":
+        kw["sliding_window"] = 8
+    ok, why = paiter.covers(prepare_attention(**kw))
+    assert not ok and reason in why, why
+    assert torch.equal(pa_decode(**kw, backend="auto"), pa_decode(**kw, backend="torch"))
+    assert standin.calls == []  # auto served it elsewhere
 
 
 def test_partition_count_comes_from_the_table_not_the_lengths(standin, amd_here):
