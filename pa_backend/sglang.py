@@ -61,6 +61,15 @@ def check_server_args(cfg, is_mla: bool) -> None:
             "(Kimi-Linear, Kimi-K3, DeepSeek). Keep the platform's MLA backend and use flydsl for the KDA layers: "
             "--attention-backend aiter --linear-attn-decode-backend flydsl (AMD) or --attention-backend triton "
             "--linear-attn-decode-backend flydsl")
+    prefill = cfg.prefill_attention_backend or cfg.attention_backend
+    decode = cfg.decode_attention_backend or cfg.attention_backend
+    if prefill != decode:  # one side only: the other backend would read the flydsl pool's layout as its own
+        flag, other = (("--prefill-attention-backend", prefill) if decode == FLYDSL
+                       else ("--decode-attention-backend", decode))
+        raise ValueError(
+            f"{flag} {other} with flydsl on the other path: the KV pool flydsl selects stores the FP8 cache in the "
+            f"layout only flydsl reads (x-packed K, per-page V), which {other} would misread; use flydsl for both "
+            "(--attention-backend flydsl)")
     kv = str(cfg.kv_cache_dtype or "auto")
     if kv not in FP8_KV_DTYPES:
         raise ValueError(

@@ -158,8 +158,16 @@ def _build_pool_class():
             H, D, Dv = self.head_num, self.head_dim, self.v_head_dim
             cache_k = cache_k.reshape(-1, H, D)
             cache_v = cache_v.reshape(-1, H, Dv)
-            if cache_k.dtype == self.dtype or cache_k.dtype == self.store_dtype:
-                # already quantized (e.g. a transfer): place the bytes directly
+            raw = (self.dtype, self.store_dtype)
+            if cache_k.dtype in raw or cache_v.dtype in raw:
+                # already quantized (e.g. a transfer): place the bytes directly, both checked before either is written
+                for name, t in (("cache_k", cache_k), ("cache_v", cache_v)):
+                    if t.dtype not in raw:
+                        raise ValueError(f"flydsl KV pool: {name} is {t.dtype} while the other is quantized "
+                                         f"({self.dtype} bytes): K and V must both be activations or both FP8")
+                if cache_k.shape[0] != loc.numel() or cache_v.shape[0] != loc.numel():
+                    raise ValueError(f"flydsl KV pool: {loc.numel()} locations for {cache_k.shape[0]} K and "
+                                     f"{cache_v.shape[0]} V rows")
                 self._scatter_raw(kc, vc, loc, cache_k.view(self.dtype), cache_v.view(self.dtype))
                 return
             if cache_k.dtype not in ACT_DTYPES:
@@ -173,7 +181,8 @@ def _build_pool_class():
                      backend=self.pa_impl)
 
         def _scatter_raw(self, kc, vc, loc, k, v):
-            keep = loc >= 0
+            # as write_kv: a location outside the pool (padding -1, or past its last slot) writes nothing
+            keep = (loc >= 0) & (loc < self.num_blocks() * self.page_size)
             loc, k, v = loc[keep], k[keep], v[keep]
             pg, off = self._page_off(loc)
             n = loc.numel()

@@ -32,7 +32,8 @@ def _cfg(**over):
 
 
 @pytest.mark.parametrize("over", [{}, dict(page_size=64), dict(page_size=128),
-                                  dict(attention_backend="triton", decode_attention_backend="flydsl"),
+                                  dict(attention_backend="triton", decode_attention_backend="flydsl",
+                                       prefill_attention_backend="flydsl"),
                                   dict(attention_backend="triton", kv_cache_dtype="auto", page_size=1),
                                   dict(attention_backend="aiter", kv_cache_dtype="auto", page_size=None,
                                        linear_attn_decode_backend="flydsl"),
@@ -57,7 +58,15 @@ def test_accepts(over):
     (dict(SPEC, speculative_num_draft_tokens=5), False, "--speculative-num-draft-tokens 3"),
     (dict(SPEC, speculative_num_draft_tokens=1), False, "--speculative-num-draft-tokens 3"),
     (dict(SPEC, speculative_draft_attention_backend=None), False, "--speculative-draft-attention-backend triton"),
-    (dict(prefill_attention_backend="flydsl", attention_backend="triton", page_size=8), False, "--page-size"),
+    (dict(prefill_attention_backend="flydsl", decode_attention_backend="flydsl", attention_backend="triton",
+          page_size=8), False, "--page-size"),
+    # one side only: the other backend would read the flydsl pool's layout as its own
+    (dict(attention_backend="triton", decode_attention_backend="flydsl"), False,
+     "--prefill-attention-backend triton with flydsl on the other path"),
+    (dict(prefill_attention_backend="flydsl", attention_backend="triton"), False,
+     "--decode-attention-backend triton with flydsl on the other path"),
+    (dict(attention_backend="flydsl", prefill_attention_backend="torch_native"), False,
+     "use flydsl for both (--attention-backend flydsl)"),
     (dict(attention_backend="triton", linear_attn_backend="flydsl"), False, "--linear-attn-decode-backend flydsl"),
     (dict(attention_backend="triton", linear_attn_prefill_backend="flydsl"), False, "--linear-attn-prefill-backend"),
     (dict(attention_backend="triton", linear_attn_verify_backend="flydsl"), False, "--linear-attn-verify-backend"),

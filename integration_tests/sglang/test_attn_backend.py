@@ -367,6 +367,31 @@ def test_pool_layout_and_page_aware_moves():
                                                                           H.slot_bytes(pool2, i)))
 
 
+@pytest.mark.parametrize("page", [16, 64, 128])
+def test_pool_raw_writes_skip_outside_slots_and_check_before_writing(page):
+    """Quantized K/V bytes (a transfer) go into the pool like activations do: a location outside the pool is
+    skipped (it raised after K was written), and a K/V pair of mixed kinds is refused before either is written."""
+    Pool = pas.FlyDSLMHATokenToKVPool
+    pool = Pool(size=4 * page, page_size=page, dtype=H.FP8, head_num=2, head_dim=64, layer_num=1, device="cpu",
+                enable_memory_saver=False, enable_alt_stream=False)
+    layer = H.make_layers(H.Case(mode="decode", page_size=16, prefix_lens=(1,)), 1)[0]
+    slots = pool.num_blocks() * page
+    g = torch.Generator().manual_seed(2)
+    k = (torch.randn(3, 2, 64, generator=g) * 4).to(H.FP8)
+    v = (torch.randn(3, 2, 64, generator=g) * 4).to(H.FP8)
+    pool.set_kv_buffer(layer, torch.tensor([5, slots, -1]), k, v)
+    kb, vb = H.slot_bytes(pool, 0)
+    assert torch.equal(kb[5], k[0].view(torch.uint8).reshape(-1))
+    assert torch.equal(vb[5], v[0].view(torch.uint8).reshape(-1))
+    assert int(kb.count_nonzero()) == int(kb[5].count_nonzero())  # nothing else written
+    before = [t.clone() for t in H.slot_bytes(pool, 0)]
+    with pytest.raises(ValueError, match="cache_v is torch.bfloat16 while the other is quantized"):
+        pool.set_kv_buffer(layer, torch.tensor([6, 7]), k[:2], v[:2].to(torch.bfloat16))
+    with pytest.raises(ValueError, match="2 locations for 3 K and 3 V rows"):
+        pool.set_kv_buffer(layer, torch.tensor([6, 7]), k, v)
+    assert all(torch.equal(a, b) for a, b in zip(before, H.slot_bytes(pool, 0)))
+
+
 # ------------------------------------------------------------------------------------------
 # construction errors
 
