@@ -90,3 +90,25 @@ def probe_line(label, variant, rnd, kw, args, out, nbytes, copy_gbps, ql=1) -> N
               f"{'; ' + ks if ks else ''}", flush=True)
     except Exception as exc:
         print(f"  {label} {variant}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+
+
+def decode_problem(kw, who: str, scales_why: str):
+    """The pure-decode bench_case ``kw`` a framework baseline takes, unpacked and checked:
+    (query, key_cache, value_cache, block_tables, context_lengths, key_scale, value_scale, NB, Hkv, D, block, B, Hq).
+    ``who`` names the baseline in the errors; ``scales_why`` says why it takes per-tensor scales only."""
+    q, kc, vc = kw["query"], kw["key_cache"], kw["value_cache"]
+    bt, lens = kw["block_tables"], kw["context_lengths"]
+    ks, vs = kw["key_scale"], kw["value_scale"]
+    if int(kw.get("query_length", 1)) != 1 or "query_start_loc" in kw:
+        raise ValueError(f"{who}: pure decode batches only (one query token per sequence)")
+    if ks.dim() != 0 or vs.dim() != 0:
+        raise ValueError(f"{who}: per-tensor KV scales only (bench_case scales='tensor'): {scales_why}")
+    if kc.dtype != torch.float8_e4m3fn or vc.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{who}: expected an FP8 e4m3fn cache, got {kc.dtype} / {vc.dtype}")
+    NB, Hkv, D16, bs, X = kc.shape
+    D = D16 * X
+    B, Hq = int(bt.shape[0]), int(q.shape[1])
+    if tuple(q.shape) != (B, Hq, D) or tuple(vc.shape) != (NB, Hkv, D, bs):
+        raise ValueError(f"{who}: unexpected shapes: query {tuple(q.shape)}, key_cache {tuple(kc.shape)}, "
+                         f"value_cache {tuple(vc.shape)}, block_tables {tuple(bt.shape)}")
+    return q, kc, vc, bt, lens, ks, vs, NB, Hkv, D, bs, B, Hq

@@ -80,22 +80,11 @@ def build(kw: Dict[str, object], max_kv_splits: int = 8, *, device_core_count: i
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
     from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
 
-    q = kw["query"]
-    kc, vc = kw["key_cache"], kw["value_cache"]
-    bt, lens = kw["block_tables"], kw["context_lengths"]
-    ks, vs = kw["key_scale"], kw["value_scale"]
-    if int(kw.get("query_length", 1)) != 1 or "query_start_loc" in kw:
-        raise ValueError("SGLang's Triton decode path takes one query token per sequence (query_length 1)")
-    if ks.dim() != 0 or vs.dim() != 0:
-        raise ValueError("SGLang's Triton backend has per-tensor KV scales only (bench_case scales='tensor')")
-    if kc.dtype != torch.float8_e4m3fn or vc.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"expected an FP8 e4m3fn cache, got {kc.dtype} / {vc.dtype}")
-    NB, Hkv, D16, bs, X = kc.shape
-    D = D16 * X
-    B, Hq = int(bt.shape[0]), int(q.shape[1])
-    if tuple(q.shape) != (B, Hq, D) or tuple(vc.shape) != (NB, Hkv, D, bs):
-        raise ValueError(f"unexpected shapes: query {tuple(q.shape)}, key_cache {tuple(kc.shape)}, "
-                         f"value_cache {tuple(vc.shape)}, block_tables {tuple(bt.shape)}")
+    from probe_util import decode_problem
+
+    q, kc, vc, bt, lens, ks, vs, NB, Hkv, D, bs, B, Hq = decode_problem(
+        kw, "SGLang's Triton decode", "its Triton backend has no per-token scales")
+    D16, X = D // 16, 16
     dev = q.device
 
     # The pool: [2, slots, Hkv, D] uint8 (K half, V half), slots = (NB + 1) pages of bs, page 0 the padding page.

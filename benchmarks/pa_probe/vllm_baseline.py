@@ -142,23 +142,11 @@ def build(kw: Dict[str, object], *, max_model_len: int = None, quant_query: bool
                                             compute_layout_strides, get_kv_quant_mode)
     from vllm.v1.worker.utils import allocate_kv_cache, customize_attention_spec
 
-    q = kw["query"]
-    kc, vc = kw["key_cache"], kw["value_cache"]
-    bt, lens = kw["block_tables"], kw["context_lengths"]
-    ks, vs = kw["key_scale"], kw["value_scale"]
-    if int(kw.get("query_length", 1)) != 1 or "query_start_loc" in kw:
-        raise ValueError("this baseline times the pure decode batch: one query token per sequence (query_length 1)")
-    if ks.dim() != 0 or vs.dim() != 0:
-        raise ValueError("vLLM's fp8 KV cache has per-tensor scales (bench_case scales='tensor'); its "
-                         "per-token-head modes quantize differently")
-    if kc.dtype != torch.float8_e4m3fn or vc.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"expected an FP8 e4m3fn cache, got {kc.dtype} / {vc.dtype}")
-    NB, Hkv, D16, bs, X = kc.shape
-    D = D16 * X
-    B, Hq = int(bt.shape[0]), int(q.shape[1])
-    if tuple(q.shape) != (B, Hq, D) or tuple(vc.shape) != (NB, Hkv, D, bs):
-        raise ValueError(f"unexpected shapes: query {tuple(q.shape)}, key_cache {tuple(kc.shape)}, "
-                         f"value_cache {tuple(vc.shape)}, block_tables {tuple(bt.shape)}")
+    from probe_util import decode_problem
+
+    q, kc, vc, bt, lens, ks, vs, NB, Hkv, D, bs, B, Hq = decode_problem(
+        kw, "vLLM's TRITON_ATTN", "its fp8 KV cache is per tensor (the per-token-head modes quantize differently)")
+    D16, X = D // 16, 16
     if not TritonAttentionBackend.supports_block_size(bs):
         raise ValueError(f"TRITON_ATTN takes block sizes that are multiples of 16, not {bs}")
     dev = q.device
