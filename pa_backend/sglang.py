@@ -70,6 +70,7 @@ def check_server_args(cfg, is_mla: bool) -> None:
             f"{flag} {other} with flydsl on the other path: the KV pool flydsl selects stores the FP8 cache in the "
             f"layout only flydsl reads (x-packed K, per-page V), which {other} would misread; use flydsl for both "
             "(--attention-backend flydsl)")
+    _check_kv_transfers(cfg)
     kv = str(cfg.kv_cache_dtype or "auto")
     if kv not in FP8_KV_DTYPES:
         raise ValueError(
@@ -80,6 +81,26 @@ def check_server_args(cfg, is_mla: bool) -> None:
         raise ValueError(f"--attention-backend flydsl supports --page-size 16, 64 or 128 (got {page}); "
                          "e.g. --page-size 16")
     _check_speculative(cfg)
+
+
+def _check_kv_transfers(cfg) -> None:
+    """KV moved between servers: the flydsl pool's pages hold the x-packed layout, while SGLang's transfers
+    between servers address tokens and heads as in its own [slots, H, D] pool (PD disaggregation across
+    different TP sizes, the staging buffer) or hand the pages to a server that reads them as its own layout
+    (a peer or a shared HiCache storage on another backend). One server cannot see its peers: refused."""
+    mode = str(getattr(cfg, "disaggregation_mode", None) or "null")
+    if mode != "null":
+        raise ValueError(f"--disaggregation-mode {mode} with --attention-backend flydsl: the KV transfer between "
+                         "servers reads SGLang's token-major pool layout (and a peer on another backend would read "
+                         "flydsl's pages as its own); serve disaggregated deployments with --attention-backend triton")
+    storage = getattr(cfg, "hicache_storage_backend", None)
+    if storage:
+        raise ValueError(f"--hicache-storage-backend {storage} with --attention-backend flydsl: the storage would "
+                         "hold flydsl's page layout for any server sharing it to read as its own; use host-memory "
+                         "HiCache only (--enable-hierarchical-cache without a storage backend)")
+    if getattr(cfg, "disaggregation_decode_enable_offload_kvcache", False):
+        raise ValueError("--disaggregation-decode-enable-offload-kvcache with --attention-backend flydsl: the "
+                         "offloaded pages keep flydsl's layout for other servers to read as theirs")
 
 
 def _check_speculative(cfg) -> None:

@@ -41,7 +41,10 @@ def _cfg(**over):
                                   dict(SPEC, speculative_algorithm="EAGLE", speculative_num_draft_tokens=4),
                                   dict(SPEC, speculative_algorithm="NEXTN"),
                                   dict(attention_backend="triton", speculative_algorithm="NGRAM",
-                                       speculative_eagle_topk=8)])
+                                       speculative_eagle_topk=8),
+                                  dict(disaggregation_mode="null", hicache_storage_backend=None,
+                                       disaggregation_decode_enable_offload_kvcache=False),
+                                  dict(attention_backend="triton", disaggregation_mode="prefill")])
 def test_accepts(over):
     check_sglang_args(_cfg(**over), is_mla="aiter" in over.values())
 
@@ -67,6 +70,11 @@ def test_accepts(over):
      "--decode-attention-backend triton with flydsl on the other path"),
     (dict(attention_backend="flydsl", prefill_attention_backend="torch_native"), False,
      "use flydsl for both (--attention-backend flydsl)"),
+    # KV moved between servers in SGLang's own layout
+    (dict(disaggregation_mode="prefill"), False, "--disaggregation-mode prefill with --attention-backend flydsl"),
+    (dict(disaggregation_mode="decode"), False, "--attention-backend triton"),
+    (dict(hicache_storage_backend="file"), False, "--enable-hierarchical-cache without a storage backend"),
+    (dict(disaggregation_decode_enable_offload_kvcache=True), False, "--disaggregation-decode-enable-offload"),
     (dict(attention_backend="triton", linear_attn_backend="flydsl"), False, "--linear-attn-decode-backend flydsl"),
     (dict(attention_backend="triton", linear_attn_prefill_backend="flydsl"), False, "--linear-attn-prefill-backend"),
     (dict(attention_backend="triton", linear_attn_verify_backend="flydsl"), False, "--linear-attn-verify-backend"),
