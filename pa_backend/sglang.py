@@ -101,6 +101,11 @@ def _check_kv_transfers(cfg) -> None:
     if getattr(cfg, "disaggregation_decode_enable_offload_kvcache", False):
         raise ValueError("--disaggregation-decode-enable-offload-kvcache with --attention-backend flydsl: the "
                          "offloaded pages keep flydsl's layout for other servers to read as theirs")
+    canary = str(getattr(cfg, "kv_canary", None) or "none")
+    if canary != "none":  # a debugging tool, but one that writes into the pool
+        raise ValueError(f"--kv-canary {canary} with --attention-backend flydsl: the canary reads and writes the "
+                         "pool as SGLang's [slots, H, D] token rows, while flydsl's pages hold another layout; "
+                         "use --kv-canary none")
 
 
 def _check_speculative(cfg) -> None:

@@ -43,7 +43,7 @@ def _cfg(**over):
                                   dict(attention_backend="triton", speculative_algorithm="NGRAM",
                                        speculative_eagle_topk=8),
                                   dict(disaggregation_mode="null", hicache_storage_backend=None,
-                                       disaggregation_decode_enable_offload_kvcache=False),
+                                       disaggregation_decode_enable_offload_kvcache=False, kv_canary="none"),
                                   dict(attention_backend="triton", disaggregation_mode="prefill")])
 def test_accepts(over):
     check_sglang_args(_cfg(**over), is_mla="aiter" in over.values())
@@ -75,6 +75,7 @@ def test_accepts(over):
     (dict(disaggregation_mode="decode"), False, "--attention-backend triton"),
     (dict(hicache_storage_backend="file"), False, "--enable-hierarchical-cache without a storage backend"),
     (dict(disaggregation_decode_enable_offload_kvcache=True), False, "--disaggregation-decode-enable-offload"),
+    (dict(kv_canary="log"), False, "use --kv-canary none"),
     (dict(attention_backend="triton", linear_attn_backend="flydsl"), False, "--linear-attn-decode-backend flydsl"),
     (dict(attention_backend="triton", linear_attn_prefill_backend="flydsl"), False, "--linear-attn-prefill-backend"),
     (dict(attention_backend="triton", linear_attn_verify_backend="flydsl"), False, "--linear-attn-verify-backend"),

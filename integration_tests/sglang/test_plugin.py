@@ -87,6 +87,8 @@ def _cases(m):
         "gqa_hicache_storage": (["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--page-size", "16",
                                  "--enable-hierarchical-cache", "--hicache-storage-backend", "file"],
                                 "--hicache-storage-backend file"),
+        "gqa_kv_canary": (["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--page-size", "16",
+                           "--kv-canary", "log"], "use --kv-canary none"),
         "gqa_page128": (["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--page-size", "128"], None),
         "gqa_bf16_kv": (["--model-path", llama, "--attention-backend", "flydsl", "--page-size", "16"],
                         "--kv-cache-dtype fp8_e4m3"),
