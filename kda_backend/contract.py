@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -27,6 +27,7 @@ from backend_core.validation import (
     require_int32_span,
     require_data,
     require_disjoint,
+    span_elements,
 )
 
 __all__ = ["KDAProblem", "prepare", "SLOT_CHECK", "SLOT_CHECK_PADDING_SLOT", "STATE_DTYPES"]
@@ -91,6 +92,9 @@ class KDAProblem:
     scale: float
     out: torch.Tensor  # [B, H, V]
     num_slots: int  # rows with index outside [0, num_slots) are padding
+    # (bytes, name, what) of the largest piece a kernel addresses from one base: a whole parameter tensor, one
+    # row, one cache slot, one f_b head (the FlyDSL kernel's buffer accesses take 32-bit byte offsets)
+    largest_piece: Tuple[int, str, str] = (0, "", "")
 
     @property
     def device(self) -> torch.device:
@@ -293,9 +297,10 @@ def prepare(
     if hit is None:
         problem = _prepare(*args, with_f_b=with_f_b)
         _CALL_MEMO.put(key, problem.device, (problem.B, problem.H, problem.K, problem.V, problem.W, problem.num_slots,
-                                             problem.lower_bound, problem.norm_eps, problem.scale))
+                                             problem.lower_bound, problem.norm_eps, problem.scale,
+                                             problem.largest_piece))
     else:
-        B, H, K, V, W, num_slots, lower_bound, norm_eps, scale = hit
+        B, H, K, V, W, num_slots, lower_bound, norm_eps, scale, largest_piece = hit
         if out is None:
             out = torch.empty((B, H, V), dtype=x.dtype, device=x.device)
         has_conv = conv_weight is not None
@@ -305,7 +310,7 @@ def prepare(
             f_a=f_a if with_f_b else None, f_b_weight=f_b_weight if with_f_b else None,
             b=b[0] if b.dim() == 3 else b, A_log=A_log, dt_bias=dt_bias, state=state, state_indices=state_indices,
             output_gate=output_gate, norm_weight=norm_weight, lower_bound=lower_bound, norm_eps=norm_eps,
-            scale=scale, out=out, num_slots=num_slots,
+            scale=scale, out=out, num_slots=num_slots, largest_piece=largest_piece,
         )
     if SLOT_CHECK:
         check_unique_slots(problem, SLOT_CHECK_PADDING_SLOT)
@@ -354,7 +359,26 @@ def _prepare(x, conv_weight, conv_state, a, b, A_log, dt_bias, state, state_indi
         output_gate=output_gate, norm_weight=norm_weight, lower_bound=lower_bound,
         norm_eps=norm_eps, scale=scale, out=out, num_slots=num_slots,
     )
+    problem.largest_piece = max((span_elements(t) * t.element_size(), name, what)
+                                for name, t, what in _pieces(problem))
     return problem
+
+
+def _pieces(p: KDAProblem):
+    """(name, tensor, what) of every piece a kernel addresses from one base: whole parameter tensors, one row
+    of the per-row tensors, one slot of the caches, one head of f_b_weight."""
+    for name, t in (("conv_weight", p.conv_weight), ("conv_bias", p.conv_bias), ("dt_bias", p.dt_bias),
+                    ("A_log", p.A_log), ("norm_weight", p.norm_weight)):
+        if t is not None:
+            yield name, t, "the tensor"
+    for name, t in (("x", p.x), ("a", p.a), ("f_a", p.f_a), ("output_gate", p.output_gate), ("out", p.out)):
+        if t is not None and t.shape[0] > 0:
+            yield name, t[0], "one row"
+    for name, t in (("conv_state", p.conv_state), ("state", p.state)):
+        if t is not None and t.shape[0] > 0:
+            yield name, t[0], "one slot"
+    if p.f_b_weight is not None:
+        yield "f_b_weight", p.f_b_weight[0], "one head"
 
 
 def check_unique_slots(p: KDAProblem, padding_slot: Optional[int]) -> None:

@@ -61,7 +61,7 @@ from typing import Tuple
 
 import torch
 
-from backend_core.validation import INT32_MAX, span_elements
+from backend_core.validation import INT32_MAX
 
 from ..contract import KDAProblem
 
@@ -156,25 +156,6 @@ def _aligned16(t: torch.Tensor, row_strides=()) -> bool:
     return all((s * t.element_size()) % 16 == 0 for s in row_strides)
 
 
-def _byte_spans(p: KDAProblem):
-    """(name, tensor, what) of every piece the kernel addresses from one buffer base with byte offsets: whole
-    parameter tensors, one row of the per-row tensors, one slot of the caches, one head of f_b_weight."""
-    whole = [("conv_weight", p.conv_weight), ("conv_bias", p.conv_bias), ("dt_bias", p.dt_bias),
-             ("A_log", p.A_log), ("norm_weight", p.norm_weight)]
-    rows = [("x", p.x), ("a", p.a), ("f_a", p.f_a), ("output_gate", p.output_gate), ("out", p.out)]
-    for name, t in whole:
-        if t is not None:
-            yield name, t, "the tensor"
-    for name, t in rows:
-        if t is not None and t.shape[0] > 0:
-            yield name, t[0], "one row"
-    for name, t in (("conv_state", p.conv_state), ("state", p.state)):
-        if t is not None and t.shape[0] > 0:
-            yield name, t[0], "one slot"
-    if p.f_b_weight is not None:
-        yield "f_b_weight", p.f_b_weight[0], "one head"
-
-
 def supports(p: KDAProblem) -> Tuple[bool, str]:
     """Shape / layout coverage of this kernel (no hardware checks)."""
     if p.H not in SUPPORTED_H:
@@ -186,11 +167,10 @@ def supports(p: KDAProblem) -> Tuple[bool, str]:
     if p.has_f_b and (p.R % 8 or p.R > MAX_R):
         return False, f"f_b rank R={p.R}: expected a multiple of 8 up to {MAX_R} (16-byte loads)"
     # buffer loads and stores take 32-bit BYTE offsets from a base set per row / slot / head (the contract bounds
-    # the spans in elements, for the Triton kernel's int32 element offsets): every such span must fit in bytes
-    for name, t, what in _byte_spans(p):
-        if span_elements(t) * t.element_size() > INT32_MAX:
-            return False, (f"{name}: {what} spans {span_elements(t) * t.element_size()} bytes, past the 32-bit byte "
-                           f"offsets of the kernel's buffer accesses")
+    # the spans in elements, for the Triton kernel's int32 element offsets, and records the largest in bytes)
+    nbytes, name, what = p.largest_piece
+    if nbytes > INT32_MAX:
+        return False, f"{name}: {what} spans {nbytes} bytes, past the 32-bit byte offsets of the kernel's buffer accesses"
     # 16-byte vector accesses: the state slots and the f_b operands must be 16-byte aligned
     if not _aligned16(p.state, (p.state.stride(0),)):
         return False, "state: the 16-byte state transactions need a 16-byte aligned base and slot stride"
