@@ -40,7 +40,8 @@ def _source(kernel, types: Mapping[str, str], constexprs: Mapping[str, object], 
 def amdgcn_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, object], divisible: Iterable[str] = (),
                   num_warps: int = 4, arch: str = "gfx942", num_stages: int = 2) -> Dict[str, int]:
     """Compile ``kernel`` for AMD ``arch`` (wavefronts of 64) and return what the AMDGPU backend reports
-    in the assembly: VGPRs, scratch bytes per lane (> 0: spills or a stack), LDS bytes."""
+    in the assembly: VGPRs, AGPRs, scratch bytes per lane (> 0: spills or a stack), VGPRs spilled, LDS
+    bytes, and the waves per SIMD the register use allows (``occupancy``)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -52,8 +53,9 @@ def amdgcn_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, obj
         m = re.search(pattern, asm)
         return int(m.group(1)) if m else -1
 
-    return {"vgprs": grab(r";\s*NumVgprs:\s*(\d+)"),
-            "scratch": grab(r";\s*ScratchSize:\s*(\d+)"), "lds": int(getattr(compiled.metadata, "shared", 0) or 0),
+    return {"vgprs": grab(r";\s*NumVgprs:\s*(\d+)"), "agprs": grab(r";\s*NumAgprs:\s*(\d+)"),
+            "scratch": grab(r";\s*ScratchSize:\s*(\d+)"), "vgpr_spills": grab(r"\.vgpr_spill_count:\s*(\d+)"),
+            "occupancy": grab(r";\s*Occupancy:\s*(\d+)"), "lds": int(getattr(compiled.metadata, "shared", 0) or 0),
             "hsaco_bytes": len(compiled.asm.get("hsaco", b""))}
 
 

@@ -460,3 +460,35 @@ def test_fp8_qk_switch(monkeypatch):
     monkeypatch.setenv("FLYDSL_BACKENDS_PA_FP8_QK", "yes")
     with pytest.raises(ValueError, match="FLYDSL_BACKENDS_PA_FP8_QK"):
         pt.fp8_qk(torch.device(DEVICE), holder, 64)
+
+
+@pytest.mark.parametrize("kind,D", [("prefill", 128), ("prefill", 64), ("decode", 256)])
+def test_amd_tilings_match_reference(monkeypatch, kind, D):
+    """The tilings the launcher picks on AMD GPUs (``amd=True``: no scratch on gfx942 / gfx950; never run on
+    AMD hardware here) compute the same attention: run here through the tuning overrides."""
+    from pa_backend import triton as pt
+
+    if kind == "prefill":
+        tiling = pt.prefill_tiling(D, 4, 16, amd=True)
+        assert tiling != pt.prefill_tiling(D, 4, 16)
+        rows, bt, warps, stages = tiling
+        env = dict(FLYDSL_BACKENDS_PA_PREFILL_M=rows * 4, FLYDSL_BACKENDS_PA_PREFILL_BT=bt,
+                   FLYDSL_BACKENDS_PA_PREFILL_WARPS=warps, FLYDSL_BACKENDS_PA_PREFILL_STAGES=stages)
+        params = dict(context_lengths=[150, 40, 7], query_lengths=[70, 40, 1], Hq=8, Hkv=2, D=D)
+    else:
+        tiling = pt.decode_tiling(D, 16, 64, amd=True)
+        assert tiling != pt.decode_tiling(D, 16, 64)
+        bt, warps, stages = tiling
+        env = dict(FLYDSL_BACKENDS_PA_TRITON_BT=bt, FLYDSL_BACKENDS_PA_TRITON_WARPS=warps,
+                   FLYDSL_BACKENDS_PA_TRITON_STAGES=stages)
+        params = dict(context_lengths=[100, 37, 260], Hq=4, Hkv=1, D=D, block_size=64, scales="token", v_layout="5d")
+    for k, v in env.items():
+        monkeypatch.setenv(k, str(v))
+    pt.decode_tiling.cache_clear()
+    pt.prefill_tiling.cache_clear()
+    try:
+        check(params, seed=5)
+    finally:
+        monkeypatch.undo()
+        pt.decode_tiling.cache_clear()
+        pt.prefill_tiling.cache_clear()

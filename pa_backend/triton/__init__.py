@@ -57,7 +57,7 @@ def _env_int(name: str, default: int) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def decode_tiling(D: int, BM: int, block_size: int = 16) -> Tuple[int, int, int]:
+def decode_tiling(D: int, BM: int, block_size: int = 16, amd: bool = False) -> Tuple[int, int, int]:
     """(BT tokens per tile, warps, pipeline stages) of the partition kernel. The live tiles (K or V
     [BT, D], acc [BM, D], S [BM, BT]) must fit a thread's registers: the sm_90 resource test checks
     every shipped shape for spills. FLYDSL_BACKENDS_PA_TRITON_BT / _WARPS / _STAGES override them
@@ -71,8 +71,15 @@ def decode_tiling(D: int, BM: int, block_size: int = 16) -> Tuple[int, int, int]
     (benchmarks/pa_probe/warps_H200_2026-12-04.txt): B=200/32k 914 -> 580 us, B=32/2k (GQA 4)
     118 -> 74 us, B=81/8k 115 -> 88 us. M = 64 (4 query rows x GQA 16) keeps 4 warps, one per 16
     rows: a single warp would hold all 64 (B=200/ql 4/200k: 8.1 -> 15.4 ms), and running each query
-    row as a one-warp work item of its own (pages read 4x, mostly from L2) took 12.7 ms."""
+    row as a one-warp work item of its own (pages read 4x, mostly from L2) took 12.7 ms.
+
+    ``amd``: the tiling for AMD GPUs (wavefronts of 64), where nothing here has run: the H200's
+    tiling but BT 16 at D 256, so no configuration needs scratch (at BT 32 the 8-warp D 256 program
+    with per-token scales and the 5-D V layout spilled 8-20 bytes per lane on gfx942; BT 16 has
+    none on gfx942 or gfx950 and fits 3-4 waves per SIMD; resources.amdgcn_report)."""
     bt = (64 if D <= 128 else 32) // (2 if BM * D > 8192 else 1)
+    if amd and D > 128:
+        bt = 16
     warps = 4 if D <= 128 else 8
     if D <= 128 and BM == 16 and block_size < 64:
         bt, warps = 16, 1
@@ -99,7 +106,7 @@ def split_policy(warps: int) -> Tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=1024)
-def prefill_tiling(D: int, G: int, block_size: int = 16) -> Tuple[int, int, int, int]:
+def prefill_tiling(D: int, G: int, block_size: int = 16, amd: bool = False) -> Tuple[int, int, int, int]:
     """(query rows per work item, BT, warps, stages) of a prefill launch: a work item is a tile of
     query rows of one sequence times its GQA group (the dots' M = rows * G). FLYDSL_BACKENDS_PA_PREFILL_M
     / _BT / _WARPS / _STAGES override them (call ``prefill_tiling.cache_clear()`` after changing them).
@@ -107,12 +114,18 @@ def prefill_tiling(D: int, G: int, block_size: int = 16) -> Tuple[int, int, int,
     2048 new on a 6144 prefix): M 256, BT 64, 8 warps, 2 stages 3.70 ms; M 128 with 4 warps 4.06 ms,
     with 8 warps 4.95 ms (the best spill-free setting). ptxas spills 164 bytes at M 256 with Triton
     3.6; the resource test allows exactly this configuration's spills (SPILL_ALLOWED in resources.py).
+
+    ``amd``: the tiling for AMD GPUs, not run there (no AMD GPU here). The H200's M 256 / 8-warp tile
+    needs all 256 VGPRs and 64 KB of LDS there and spills ~500 bytes per lane (gfx942 496, gfx950 524):
+    an 8-wave workgroup caps a wave at 256 registers. D <= 128 takes M 128, BT 64, 4 warps, 1 stage
+    instead (AMD's own Triton attention tile; a 4-wave workgroup may use the accumulation registers
+    too): no scratch on either arch (resources.amdgcn_report). D 256 keeps M 64 (no scratch).
     """
-    m = _env_int("FLYDSL_BACKENDS_PA_PREFILL_M", 256 if D == 128 else 128 if D < 128 else 64)
+    m = _env_int("FLYDSL_BACKENDS_PA_PREFILL_M", (128 if amd else 256) if D == 128 else 128 if D < 128 else 64)
     rows = max(1, m // G)
-    bt, warps, stages = decode_tiling(D, work_rows(G, rows), block_size)
+    bt, warps, stages = decode_tiling(D, work_rows(G, rows), block_size, amd)
     if D <= 128 and work_rows(G, rows) >= 128:
-        bt, warps, stages = 64, 8, 2
+        bt, warps, stages = (64, 4, 1) if amd else (64, 8, 2)
     return (rows, _env_int("FLYDSL_BACKENDS_PA_PREFILL_BT", bt), _env_int("FLYDSL_BACKENDS_PA_PREFILL_WARPS", warps),
             _env_int("FLYDSL_BACKENDS_PA_PREFILL_STAGES", stages))
 
@@ -201,11 +214,12 @@ class _Launch:
     def __init__(self, p: PAProblem):
         c = p.cache
         self.G, self.D = p.Hq // c.Hkv, c.D
+        amd = p.device.type == "cuda" and platform.is_hip()
         if p.is_decode:
             self.QL, self.items, self.chunks = p.query_length, p.num_seqs, None
             self.zero_rows = None
         else:
-            self.QL = prefill_tiling(self.D, self.G, c.block_size)[0]
+            self.QL = prefill_tiling(self.D, self.G, c.block_size, amd)[0]
             # the chunks that see the most context first (a sequence's last chunks): the long programs
             # start in the first wave instead of forming the tail
             rows = sorted(prefill_chunks(p.query_start_loc_host, self.QL), key=lambda r: r[3])
@@ -214,9 +228,9 @@ class _Launch:
             self.zero_rows = (p.query_start_loc_host[0], p.query_start_loc_host[-1])  # rows outside every sequence
         self.BM = work_rows(self.G, self.QL)
         if p.is_decode:
-            bt, self.warps, self.stages = decode_tiling(self.D, self.BM, c.block_size)
+            bt, self.warps, self.stages = decode_tiling(self.D, self.BM, c.block_size, amd)
         else:
-            _, bt, self.warps, self.stages = prefill_tiling(self.D, self.G, c.block_size)
+            _, bt, self.warps, self.stages = prefill_tiling(self.D, self.G, c.block_size, amd)
         if bt & (bt - 1) or bt < 16:
             raise ValueError(f"BT={bt}: expected a power of two >= 16")
         if c.block_size & (c.block_size - 1):
