@@ -55,11 +55,13 @@ def cmd_info(args) -> int:
         for opname, reg in op.op_registries().items():
             print(f"\n{opname}: implementations (auto prefers, on GPU: {' > '.join(reg.preference['cuda'])}; "
                   f"on CPU: {' > '.join(reg.preference['cpu'])}; force with {reg.env_var}=<name>)")
-            for name, ok, why in reg.status():
+            status = reg.status()
+            for name, ok, why in status:
                 print(f"  {name:<7} {'available' if ok else 'unavailable':<12} {why}")
-        print(f"  flydsl sources ({_source_env()}; auto prefers AITER where it covers the call):")
-        for src, ok, why in op.sources():
-            print(f"    {src:<6} {'found' if ok else 'not usable':<11} {why}")
+            if any(name == "flydsl" for name, _, _ in status):  # under the op that has a FlyDSL implementation
+                print(f"  flydsl sources ({_source_env()}; auto prefers AITER where it covers the call):")
+                for src, ok, why in op.sources():
+                    print(f"    {src:<6} {'found' if ok else 'not usable':<11} {why}")
     if args.resources:
         return _print_resources()
     return 0

@@ -32,6 +32,8 @@ def _run_torch(p):
 
 _TORCH = Implementation("torch", lambda: (True, "always (reference: gather, dequantize, FP32 softmax)"),
                         lambda p: (True, "ok"), _run_torch, "reference")
+_TORCH_WRITE = Implementation("torch", lambda: (True, "always (reference: FP8 quantize, scatter into the pages)"),
+                              lambda p: (True, "ok"), _run_torch, "reference")
 _TRITON = Implementation("triton", _triton.available, _triton.supports, _triton.run,
                          "Triton kernels (split-K partitions + reduce; write_kv)")
 _FLYDSL = Implementation("flydsl", _flydsl.available, _flydsl.supports, _flydsl.run,
@@ -53,7 +55,7 @@ def _registry(op: str, impls) -> OpRegistry:
 
 DECODE = _registry("pa_decode", (_TORCH, _TRITON, _FLYDSL))
 PREFILL = _registry("pa_prefill", (_TORCH, _TRITON))  # no FlyDSL prefill kernel (Triton serves it on AMD)
-WRITE = _registry("write_kv", (_TORCH, _TRITON))  # no FlyDSL write kernel
+WRITE = _registry("write_kv", (_TORCH_WRITE, _TRITON))  # no FlyDSL write kernel
 REGISTRIES = {"pa_decode": DECODE, "pa_prefill": PREFILL, "write_kv": WRITE}
 REGISTRY = DECODE  # the decode op's registry (``pa_backend.REGISTRY``)
 

@@ -11,6 +11,12 @@ def test_info_runs(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "kda: implementations" in out and "torch" in out and "flydsl" in out
+    # each op's FlyDSL sources are listed under that op's registry with a flydsl implementation (the paged
+    # ops: pa_decode, not the last of them), and write_kv's reference is described as a writer
+    blocks = {b.split(":", 1)[0]: b for b in out.split("\n\n")}
+    assert "flydsl sources" in blocks["kda"] and "flydsl sources" in blocks["pa_decode"]
+    assert "flydsl sources" not in blocks["pa_prefill"] and "flydsl sources" not in blocks["write_kv"]
+    assert "softmax" not in blocks["write_kv"]
 
 
 def test_verify_passes_here(capsys):
