@@ -95,7 +95,42 @@ def ptxas_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, obje
 
     return {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
             "spill_loads": grab(r"(\d+) bytes spill loads"), "stack": grab(r"(\d+) bytes stack frame"),
-            "shared": int(getattr(compiled.metadata, "shared", 0) or 0)}
+            "shared": int(getattr(compiled.metadata, "shared", 0) or 0),
+            "hot_spills": hot_spill_count(compiled.asm.get("cubin"))}
+
+
+def hot_spill_count(cubin: Optional[bytes]) -> int:
+    """Spill instructions (local-memory STL / LDL) inside the kernel's hottest loops: the deepest loop nest
+    that issues global loads, found in the SASS (``cuobjdump``; a loop is a backward branch). A spill there
+    costs every tile; one before or between those loops costs once per program or task. -1 when the
+    SASS cannot be read."""
+    import triton
+
+    if not cubin:
+        return -1
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, timeout=300)
+    finally:
+        os.unlink(f.name)
+    if out.returncode != 0:
+        return -1
+    code = [(int(m.group(1), 16), m.group(2)) for m in
+            (re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line) for line in out.stdout.splitlines()) if m]
+    loops = []
+    for addr, ins in code:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", ins)
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+
+    def depth(addr: int) -> int:
+        return sum(lo <= addr <= hi for lo, hi in loops)
+
+    loads = [depth(a) for a, ins in code if re.search(r"\b(LDG|LDGSTS|UTMALDG|UBLKCP)\b", ins)]
+    hot = max(loads, default=0)
+    return sum(1 for a, ins in code if re.search(r"\b(STL|LDL)\b", ins) and depth(a) >= hot)
 
 
 def run_report_script(script: str, root: str, timeout: float = 900):
