@@ -17,7 +17,11 @@ Variants (PROBE_VARIANTS, comma-separated):
   minpt128 / minpt64   partitions may be as short as 128 / 64 tokens (MIN_PARTITION_TOKENS, shipped 256):
              more tasks in flight for short contexts, more partials to merge
   direct     direct_variant.py: an item whose context fits one partition writes its rows from that task, and
-             the reduce skips it (sm_90 compile: the one-warp program spills 108 bytes instead of 4)
+             the reduce skips it (sm_90 compile: the one-warp program spills 108 bytes instead of 4, all of them
+             outside the tile loops: 27 stores before the task loop, 27 reloads per task; aot.hot_spill_count)
+  nreg152 / nreg128    the one-warp program capped at 152 / 128 registers instead of 168 (13 / 16 programs per
+             SM instead of 12; FLYDSL_BACKENDS_PA_TRITON_MAXNREG): ptxas keeps the tile loops spill-free at both
+             caps (68 / 108 spill bytes, reloaded once per task)
   sglang     SGLang 0.5.23's decode_attention_fwd on the same values (sglang_baseline.py), when importable:
              its two kernels per layer in the graph; its per-step split-count kernel in the profile only
   vllm       vLLM 0.33.0's TRITON_ATTN forward (vllm_baseline.py: its metadata builder, KV layout and FP8 query
@@ -79,20 +83,27 @@ def profile_kernels(fn, match, runs=20) -> str:
 class Flydsl:
     """The tree's plan and kernels with a variant's settings in place while it is planned and run."""
 
-    def __init__(self, min_pt=None, kernels=None):
-        self.min_pt, self.kernels = min_pt, kernels
+    def __init__(self, min_pt=None, kernels=None, maxnreg=None):
+        self.min_pt, self.kernels, self.maxnreg = min_pt, kernels, maxnreg
 
     def __enter__(self):
-        self.saved = (planner.MIN_PARTITION_TOKENS, kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel)
+        self.saved = (planner.MIN_PARTITION_TOKENS, kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel,
+                      os.environ.get("FLYDSL_BACKENDS_PA_TRITON_MAXNREG"))
         if self.min_pt:
             planner.MIN_PARTITION_TOKENS = self.min_pt
         if self.kernels:
             kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel = self.kernels
+        if self.maxnreg:  # read by register_cap when the plan's launch state is made (inside this block)
+            os.environ["FLYDSL_BACKENDS_PA_TRITON_MAXNREG"] = str(self.maxnreg)
         planner.plan_partitions.cache_clear()
         return self
 
     def __exit__(self, *exc):
-        planner.MIN_PARTITION_TOKENS, kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel = self.saved
+        planner.MIN_PARTITION_TOKENS, kmod.pa_decode_partition_kernel, kmod.pa_decode_reduce_kernel, nreg = self.saved
+        if nreg is None:
+            os.environ.pop("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", None)
+        else:
+            os.environ["FLYDSL_BACKENDS_PA_TRITON_MAXNREG"] = nreg
         planner.plan_partitions.cache_clear()
 
     def build(self, layers, outs):
@@ -115,7 +126,8 @@ def baseline_builder(name):
 
 
 def variants():
-    out = {"tree": Flydsl(), "minpt128": Flydsl(min_pt=128), "minpt64": Flydsl(min_pt=64)}
+    out = {"tree": Flydsl(), "minpt128": Flydsl(min_pt=128), "minpt64": Flydsl(min_pt=64),
+           "nreg152": Flydsl(maxnreg=152), "nreg128": Flydsl(maxnreg=128)}
     try:
         from direct_variant import direct_kernels
         out["direct"] = Flydsl(kernels=direct_kernels())
