@@ -38,6 +38,10 @@ def verify_grid(small: bool) -> List[Dict[str, object]]:
                              v_layout=v_layout, scales=scales))
     grid.append(dict(context_lengths=[200, 900], Hq=8, Hkv=1, D=256, sliding_window=128, sinks=True))
     grid.append(dict(context_lengths=[64, 700, 5], query_lengths=[64, 3, 5], Hq=8, Hkv=8, D=64, block_size=128))
+    # the vendors' tilings differ here (triton.prefill_tiling / decode_tiling with amd=True): prefill at D 128,
+    # GQA 4 (chunks on a prefix, one decode row among them) and the D 256 decode with 64-token 5-D pages
+    grid.append(dict(context_lengths=[300, 2100, 40], query_lengths=[300, 700, 1], Hq=16, Hkv=4, D=128))
+    grid.append(dict(context_lengths=[33, 1500], Hq=8, Hkv=1, D=256, block_size=64, v_layout="5d", scales="token"))
     return grid
 
 
