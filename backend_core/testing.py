@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["CORRUPTIONS", "corrupt", "fake_gpus", "amd_props", "nvidia_props", "clear_device_memos"]
+__all__ = ["CORRUPTIONS", "corrupt", "relaid", "fake_gpus", "amd_props", "nvidia_props", "clear_device_memos"]
 
 CORRUPTIONS = ("dtype", "drop_dim", "add_dim", "grow", "shrink", "transpose", "none", "list", "scalar", "strided",
                "alias")
@@ -14,6 +14,42 @@ def strided_copy(t: torch.Tensor, dim: int) -> torch.Tensor:
     """The same values as ``t`` in a view whose strides are doubled along ``dim`` and every dim
     before it (the elements in between are copies)."""
     return torch.stack([t, t], dim + 1).select(dim + 1, 0)
+
+
+def relaid(t: torch.Tensor, rng, sentinel, *, any_order: bool = False, slot_only: bool = False):
+    """(view, allocation): ``t``'s values in a fresh allocation laid out as a layout fuzz draws it (``rng``: a
+    ``random.Random``). The dimensions are stored in a random order with 0-3 elements of padding after each
+    but the outermost; the innermost dimension stays innermost with unit stride unless ``any_order``.
+    ``slot_only``: the order kept, padding (1-5) after the first dimension only (a page stride). 1-D: a
+    stride of 1-3. The padding holds ``sentinel`` (for 1-byte float tensors: a byte value)."""
+    nd = t.dim()
+    if nd == 0:
+        return t.clone(), None
+    fp8 = t.element_size() == 1 and t.is_floating_point()
+
+    def filled(shape):
+        if fp8:
+            return torch.full(shape, sentinel, dtype=torch.uint8, device=t.device).view(t.dtype)
+        return torch.full(shape, sentinel, dtype=t.dtype, device=t.device)
+
+    if nd == 1:
+        step = rng.randint(1, 3)
+        alloc = filled((max(int(t.shape[0]) * step, 1),))
+        view = alloc[::step][:int(t.shape[0])]
+    else:
+        if slot_only:
+            order = list(range(nd))
+            pads = [0, rng.randint(1, 5)] + [0] * (nd - 2)
+        else:
+            order = list(range(nd if any_order else nd - 1))
+            rng.shuffle(order)
+            if not any_order:
+                order.append(nd - 1)
+            pads = [0] + [rng.randint(0, 3) for _ in range(nd - 1)]
+        alloc = filled([int(t.shape[d]) + pad for d, pad in zip(order, pads)])
+        view = alloc[tuple(slice(0, int(t.shape[d])) for d in order)].permute([order.index(d) for d in range(nd)])
+    view.copy_(t)
+    return view, alloc
 
 
 def alias_view(t: torch.Tensor, host: torch.Tensor):

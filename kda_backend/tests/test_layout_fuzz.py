@@ -20,6 +20,7 @@ import random
 import pytest
 import torch
 
+from backend_core.testing import relaid as relay
 from kda_backend import REGISTRY
 from kda_backend.cases import SENTINEL, make_case, rel_err
 from kda_backend.verify import tolerances
@@ -30,34 +31,6 @@ pytestmark = pytest.mark.skipif(not REGISTRY.get("triton").is_available()[0], re
 
 N_CASES = int(os.environ.get("FUZZ_CASES", "12"))
 SEED = int(os.environ.get("FUZZ_SEED", "0"))
-
-
-def relay(t: torch.Tensor, rng: random.Random, sentinel, *, any_order: bool = False, slot_only: bool = False):
-    """(view, allocation) holding ``t``'s values. The dims are stored in a random order (``any_order``: any dim
-    may be innermost; otherwise the last stays innermost with unit stride) with 0-3 elements of padding after
-    each; ``slot_only``: dims kept in order, padding after the first only (a page stride); 1-D: stride 1-3."""
-    nd = t.dim()
-    if nd == 1:
-        step = rng.randint(1, 3)
-        alloc = torch.full((max(int(t.shape[0]) * step, 1),), sentinel, dtype=t.dtype, device=t.device)
-        view = alloc[::step][:int(t.shape[0])]
-        view.copy_(t)
-        return view, alloc
-    if slot_only:
-        order = list(range(nd))
-    else:
-        order = list(range(nd if any_order else nd - 1))
-        rng.shuffle(order)
-        if not any_order:
-            order.append(nd - 1)
-    padded = []
-    for i, d in enumerate(order):
-        pad = rng.randint(0, 3) if (i > 0 and not slot_only) else (rng.randint(1, 5) if slot_only and i == 1 else 0)
-        padded.append(int(t.shape[d]) + pad)
-    alloc = torch.full(padded, sentinel, dtype=t.dtype, device=t.device)
-    view = alloc[tuple(slice(0, int(t.shape[d])) for d in order)].permute([order.index(d) for d in range(nd)])
-    view.copy_(t)
-    return view, alloc
 
 
 # name -> how the contract lets it be laid out

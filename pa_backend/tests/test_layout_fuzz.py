@@ -21,6 +21,7 @@ import random
 import pytest
 import torch
 
+from backend_core.testing import relaid as relay
 from pa_backend import REGISTRY, pa_decode, pa_prefill, write_kv
 from pa_backend.cases import make_pa_case
 from pa_backend.fp8 import fp8_nan_byte
@@ -32,34 +33,6 @@ pytestmark = pytest.mark.skipif(not REGISTRY.get("triton").is_available()[0], re
 N_CASES = int(os.environ.get("FUZZ_CASES", "16"))
 SEED = int(os.environ.get("FUZZ_SEED", "0"))
 CACHES = ("key_cache", "value_cache", "key_scale", "value_scale")
-
-
-def relay(t: torch.Tensor, rng: random.Random, sentinel):
-    """(view, allocation): ``t``'s values in a fresh allocation whose leading dimensions are stored in a random
-    order with 0-3 elements of padding after each (the innermost dimension stays innermost, unit stride);
-    the padding holds ``sentinel`` (for FP8 tensors: a byte)."""
-    nd = t.dim()
-    if nd == 0:
-        return t.clone(), None
-    if nd == 1:  # an index vector: any stride (1-3), junk between the elements
-        step = rng.randint(1, 3)
-        alloc = torch.full((max(int(t.shape[0]) * step, 1),), sentinel, dtype=t.dtype, device=t.device)
-        view = alloc[::step][:int(t.shape[0])]
-        view.copy_(t)
-        return view, alloc
-    order = list(range(nd - 1))
-    rng.shuffle(order)
-    order.append(nd - 1)  # storage order, outermost first
-    padded = [int(t.shape[d]) + (rng.randint(0, 3) if i else rng.randint(0, 1)) for i, d in enumerate(order)]
-    if t.element_size() == 1 and t.is_floating_point():
-        alloc = torch.full(padded, sentinel, dtype=torch.uint8, device=t.device).view(t.dtype)
-    else:
-        alloc = torch.full(padded, sentinel, dtype=t.dtype, device=t.device)
-    inner = alloc[tuple(slice(0, int(t.shape[d])) for d in order)]
-    view = inner.permute([order.index(d) for d in range(nd)])
-    assert view.shape == t.shape and view.stride(-1) == 1
-    view.copy_(t)
-    return view, alloc
 
 
 def raw(alloc: torch.Tensor) -> torch.Tensor:
