@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify bench-kda bench-pa sweep-pa e2e-vllm
+# One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify bench-kda bench-pa bench-pa-nreg<N>
+# sweep-pa e2e-vllm
 # e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang spec-sglang kimi-sglang
 # probe-warps probe-grid probe-tail probe-short probe-short-vllm profile-vllm
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
@@ -97,6 +98,9 @@ for step in $steps; do
     tests-pa) cmd=(python3 -m pytest -q pa_backend -p no:cacheprovider -rf) ;;
     verify) cmd=(python3 -m flydsl_backends verify) ;;
     bench-kda|bench-pa) cmd=(python3 -m flydsl_backends bench "${step#bench-}" --out "$out/${step#bench-}_bench.csv") ;;
+    # the paged decode with the one-warp program's register cap lowered (benchmarks/NOTES.md, ninth session)
+    bench-pa-nreg*) cmd=(env FLYDSL_BACKENDS_PA_TRITON_MAXNREG="${step#bench-pa-nreg}" python3 -m flydsl_backends bench pa
+                         --out "$out/pa_bench_${step#bench-}.csv") ;;
     sweep-pa) cmd=(python3 benchmarks/sweep_pa_triton.py "${SWEEP_SECONDS:-300}") ;;
     # probes (benchmarks/pa_probe/): decode warps/BT/stages with accuracy; where a vLLM graph step's time goes
     probe-warps) cmd=(python3 benchmarks/pa_probe/warps_probe.py "${PROBE_SECONDS:-300}") ;;
