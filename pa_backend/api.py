@@ -30,10 +30,13 @@ def _run_torch(p):
     return run_attention(p)
 
 
-_TORCH = Implementation("torch", lambda: (True, "always (reference: gather, dequantize, FP32 softmax)"),
-                        lambda p: (True, "ok"), _run_torch, "reference")
-_TORCH_WRITE = Implementation("torch", lambda: (True, "always (reference: FP8 quantize, scatter into the pages)"),
-                              lambda p: (True, "ok"), _run_torch, "reference")
+def _torch_impl(what: str) -> Implementation:
+    return Implementation("torch", lambda: (True, f"always (reference: {what})"), lambda p: (True, "ok"), _run_torch,
+                          "reference")
+
+
+_TORCH = _torch_impl("gather, dequantize, FP32 softmax")
+_TORCH_WRITE = _torch_impl("FP8 quantize, scatter into the pages")
 _TRITON = Implementation("triton", _triton.available, _triton.supports, _triton.run,
                          "Triton kernels (split-K partitions + reduce; write_kv)")
 _FLYDSL = Implementation("flydsl", _flydsl.available, _flydsl.supports, _flydsl.run,
