@@ -1,4 +1,4 @@
-"""The op-family protocol: what the CLI (``info``, ``verify``, ``bench``) and the FlyDSL compile gate
+"""The op-family protocol: what the CLI (``info``, ``verify``, ``accuracy``, ``bench``) and the FlyDSL compile gate
 need from an op family, as import paths resolved on first use (docs/design.md §2).
 
 An op family is one package (``kda_backend``, ``pa_backend``) plus one ``OpFamily`` line in
@@ -10,6 +10,8 @@ An op family is one package (``kda_backend``, ``pa_backend``) plus one ``OpFamil
 * ``verify``: ``run_verify(impls, device, small, progress=None) -> rows``, one dict per (implementation,
   case) with ``impl``, ``case``, ``ok`` and optionally ``out_err``, ``state_err``, ``error``,
   ``skipped``;
+* ``accuracy`` (optional): ``run_accuracy(impls, device, steps, small, progress=None, step_progress=None) ->
+  rows`` (rows as ``verify``'s, plus ``bound`` and ``detail``): long-horizon decode against float64;
 * ``bench`` (optional): ``bench_cli(args) -> rows or int`` (an int is an exit status: the command
   printed its own result), and ``bench_args`` (optional): ``add_bench_args(parser)`` for its flags;
 * ``flydsl_sources`` (optional): ``sources() -> [(source, usable, why)]`` for ``info``;
@@ -43,6 +45,7 @@ class OpFamily:
     flydsl_sources: Optional[str] = None  # "module:sources"
     flydsl_kernels: Optional[str] = None  # "module" (the compile gate's protocol)
     registries: Optional[str] = None  # "module:NAME" of a dict op name -> registry (families of several ops)
+    accuracy: Optional[str] = None  # "module:run_accuracy"
 
     def registry(self):
         return _resolve(self.package).REGISTRY
@@ -55,6 +58,11 @@ class OpFamily:
 
     def run_verify(self, impls, device, small: bool, progress=None):
         return _resolve(self.verify)(impls, device, small, progress=progress)
+
+    def run_accuracy(self, impls, device, steps: int, small: bool, progress=None, step_progress=None):
+        if self.accuracy is None:
+            raise ValueError(f"op {self.name!r} has no long-horizon accuracy run")
+        return _resolve(self.accuracy)(impls, device, steps, small, progress=progress, step_progress=step_progress)
 
     def run_bench(self, args):
         if self.bench is None:

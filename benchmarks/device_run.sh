@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify bench-kda bench-pa bench-pa-nreg<N>
+# One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify accuracy bench-kda bench-pa bench-pa-nreg<N>
 # sweep-pa e2e-vllm
 # e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang spec-sglang kimi-sglang
 # probe-warps probe-grid probe-tail probe-short probe-short-vllm profile-vllm
@@ -97,6 +97,7 @@ for step in $steps; do
     # the PA interpreter tests pick the GPU when there is one: run them all (write_kv, safety cases)
     tests-pa) cmd=(python3 -m pytest -q pa_backend -p no:cacheprovider -rf) ;;
     verify) cmd=(python3 -m flydsl_backends verify) ;;
+    accuracy) cmd=(python3 -m flydsl_backends accuracy) ;;
     bench-kda|bench-pa) cmd=(python3 -m flydsl_backends bench "${step#bench-}" --out "$out/${step#bench-}_bench.csv") ;;
     # the paged decode with the one-warp program's register cap lowered (benchmarks/NOTES.md, ninth session)
     bench-pa-nreg*) cmd=(env FLYDSL_BACKENDS_PA_TRITON_MAXNREG="${step#bench-pa-nreg}" python3 -m flydsl_backends bench pa

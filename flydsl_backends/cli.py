@@ -1,4 +1,4 @@
-"""``flydsl-backends``: info, verify, bench.
+"""``flydsl-backends``: info, verify, accuracy, bench.
 
 * ``info``    the platform, and for each op which implementations are available here and why not,
               and which FlyDSL source (AITER or the project's kernel) would serve; ``--resources``
@@ -7,6 +7,9 @@
               grid; a pass/fail table; exit status 1 on any failure. On a machine without a GPU it
               runs the reference and the Triton kernels through Triton's interpreter on small
               shapes, and says so.
+* ``accuracy`` long-horizon decode against float64: the KDA recurrent state's drift over many steps
+              (bounded by its rounding whatever the step count) and a long paged decode through one
+              plan with the cache written as it goes; exit status 1 on any failure.
 * ``bench``   CUDA-graph timings with the copy bandwidth measured in the same run; CSV rows
               under ``benchmarks/results/``.
 """
@@ -124,6 +127,57 @@ def cmd_verify(args) -> int:
     return 1 if failures else 0
 
 
+def cmd_accuracy(args) -> int:
+    """Long-horizon decode against float64 (each family's ``accuracy`` module): the KDA recurrent state's
+    drift over many steps, and a long paged decode through one shape-only plan with the cache written as it
+    goes. On a GPU 2000 steps; on the CPU interpreter a few dozen, on small shapes."""
+    note = _prepare_cpu_interpreter()
+    import torch
+
+    from backend_core import platform
+
+    gpu = platform.has_gpu()
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    small = args.small or not gpu
+    steps = args.steps if args.steps is not None else (2000 if gpu else 40)
+    if steps < 1:
+        print(f"--steps: expected a positive count, got {steps}")
+        return 2
+    print(f"flydsl-backends accuracy on {platform.device_info(device).name}: {steps} decode steps, "
+          f"{'small shapes' if small else 'decode shapes'}, against float64")
+    if note:
+        print(f"note: {note}")
+    failures = total = n_skipped = 0
+    for fam in _ops.OPS if args.op == "all" else (_ops.get(args.op),):
+        if fam.accuracy is None:
+            continue
+        reg = fam.registry()
+        impls = [n for n, ok, _ in reg.status() if ok and (not args.backend or n in args.backend)]
+        for n, ok, why in reg.status():
+            if not ok:
+                print(f"  {fam.name}/{n}: not run ({why})")
+        t0 = time.time()
+        rows = fam.run_accuracy(impls, device, steps, small,
+                                step_progress=(lambda line: print(line, flush=True)) if steps >= 200 else None)
+        print(f"\n{'op':<5} {'impl':<7} {'result':<6} {'out err':>9} {'state err':>9} {'bound':>9}  case "
+              f"(bound: {'of the state error; the output may add 1e-2' if fam.name == 'kda' else 'of the output error'})")
+        for r in rows:
+            if r.get("skipped"):
+                n_skipped += 1
+                print(f"{fam.name:<5} {r['impl']:<7} {'SKIP':<6} {'-':>9} {'-':>9} {'-':>9}  {r['case']} ({r['skipped']})")
+                continue
+            total += 1
+            failures += 0 if r["ok"] else 1
+            state = f"{r['state_err']:>9.2e}" if "state_err" in r else f"{'-':>9}"
+            bound = f"{r['bound']:>9.2e}" if "bound" in r else f"{'-':>9}"
+            extra = r.get("error") or r.get("detail") or ""
+            print(f"{fam.name:<5} {r['impl']:<7} {'PASS' if r['ok'] else 'FAIL':<6} "
+                  f"{r.get('out_err', float('nan')):>9.2e} {state} {bound}  {r['case']}{'; ' + extra if extra else ''}")
+        print(f"({time.time() - t0:.1f} s)")
+    print(f"\n{total - failures} passed, {failures} failed" + (f", {n_skipped} skipped" if n_skipped else ""))
+    return 1 if failures else 0
+
+
 def cmd_bench(args) -> int:
     from backend_core import platform
     from backend_core.timing import today, write_rows
@@ -153,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--op", default="all", choices=("all",) + _ops.names())
     v.add_argument("--backend", action="append", help="only these implementations (repeatable)")
     v.add_argument("--small", action="store_true", help="small shapes even on a GPU")
+    a = sub.add_parser("accuracy", help="long-horizon decode against float64 (KDA state drift, a long paged decode)")
+    a.add_argument("--op", default="all", choices=("all",) + _ops.names())
+    a.add_argument("--backend", action="append", help="only these implementations (repeatable)")
+    a.add_argument("--steps", type=int, default=None, help="decode steps (default: 2000 on a GPU, 40 without one)")
+    a.add_argument("--small", action="store_true", help="small shapes even on a GPU")
     b = sub.add_parser("bench", help="CUDA-graph timings, CSV rows under benchmarks/results/")
     b.add_argument("op", choices=_ops.names())
     b.add_argument("--impl", default="triton,flydsl",
@@ -167,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    return {"info": cmd_info, "verify": cmd_verify, "bench": cmd_bench}[args.cmd](args)
+    return {"info": cmd_info, "verify": cmd_verify, "accuracy": cmd_accuracy, "bench": cmd_bench}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,12 @@ from backend_core.ops import OpFamily
 __all__ = ["OPS", "get", "names"]
 
 OPS: Tuple[OpFamily, ...] = (
-    OpFamily("kda", "kda_backend", verify="kda_backend.verify:run_verify", bench="kda_backend.benchmark:bench_cli",
+    OpFamily("kda", "kda_backend", verify="kda_backend.verify:run_verify", accuracy="kda_backend.accuracy:run_accuracy",
+             bench="kda_backend.benchmark:bench_cli",
              bench_args="kda_backend.benchmark:add_bench_args", flydsl_sources="kda_backend.flydsl:sources",
              flydsl_kernels="kda_backend.flydsl.shipped"),
-    OpFamily("pa", "pa_backend", verify="pa_backend.verify:run_verify", bench="pa_backend.benchmark:bench_cli",
+    OpFamily("pa", "pa_backend", verify="pa_backend.verify:run_verify", accuracy="pa_backend.accuracy:run_accuracy",
+             bench="pa_backend.benchmark:bench_cli",
              bench_args="pa_backend.benchmark:add_bench_args", flydsl_sources="pa_backend.flydsl:sources",
              registries="pa_backend.api:REGISTRIES"),
 )

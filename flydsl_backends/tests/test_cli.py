@@ -41,6 +41,27 @@ def test_verify_fails_on_a_wrong_implementation(monkeypatch, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
+def test_accuracy_passes_here_and_fails_on_a_biased_state(monkeypatch, capsys):
+    """``accuracy`` runs both families' long-horizon checks (a few steps here) and turns a state that drifts
+    (a bias of 1e-3 per step: far below one step's tolerance in ``verify``) into a failure."""
+    assert cli.main(["accuracy", "--steps", "6", "--backend", "torch"]) == 0
+    out = capsys.readouterr().out
+    assert "0 failed" in out and "kda   torch   PASS" in out and "pa    torch   PASS" in out
+    from kda_backend import REGISTRY
+
+    impl = REGISTRY.get("torch")
+    real = impl.run
+
+    def biased(p):
+        res = real(p)
+        p.state.mul_(1.001)
+        return res
+
+    monkeypatch.setattr(impl, "run", biased)
+    assert cli.main(["accuracy", "--op", "kda", "--steps", "20", "--backend", "torch"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
 def test_bench_refuses_without_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("GPU present: bench would run")
