@@ -94,7 +94,7 @@ def long_decode(steps: int, B: int, Hq: int, Hkv: int, D: int, block_size: int, 
     tol = tolerance(device)
     worst, worst_step = 0.0, 0
     lens = [p - 1 for p in prompts]
-    for step in range(steps + 1):
+    for step in range(steps):
         write([[n] for n in lens])
         lens = [n + 1 for n in lens]
         ctx.add_(1)
