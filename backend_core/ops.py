@@ -26,7 +26,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Optional
 
-__all__ = ["OpFamily"]
+__all__ = ["OpFamily", "accuracy_rows"]
 
 
 def _resolve(path: str) -> Any:
@@ -79,3 +79,25 @@ class OpFamily:
     def kernels(self):
         """The compile gate's module, or None when the family ships no own FlyDSL kernel."""
         return _resolve(self.flydsl_kernels) if self.flydsl_kernels else None
+
+
+def accuracy_rows(impls, cases, run_one, steps: int, progress=None, step_progress=None):
+    """The rows of a family's ``run_accuracy``: ``run_one(impl, params, tick)`` for every (case, implementation)
+    returns the row's fields (``ok`` and errors, or ``skipped`` with the reason) and calls ``tick(step)`` as it
+    goes; ``cases`` is [(description, params)]. An exception is a failure row, not an abort of the table."""
+    rows = []
+    for desc, params in cases:
+        for impl in impls:
+            res = {"impl": impl, "case": desc}
+            tick = None
+            if step_progress:
+                def tick(step, impl=impl, desc=desc):
+                    step_progress(f"  {impl} {desc}: step {step}/{steps}")
+            try:
+                res.update(run_one(impl, params, tick))
+            except Exception as exc:  # noqa: BLE001 - reported in the table
+                res.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+            rows.append(res)
+            if progress:
+                progress(res)
+    return rows

@@ -84,7 +84,10 @@ def _print_resources() -> int:
     return compile_gate.main([])
 
 
-def cmd_verify(args) -> int:
+def _family_table(args, title: str, run_family, bound_legend=None) -> int:
+    """What ``verify`` and ``accuracy`` share: the device, each family's rows (``run_family(fam, impls, device,
+    small)`` returns a function making them, or None when the family has no such run), one table per family,
+    the summary; exit status 1 on any failure. ``bound_legend(fam)``: a bound column and what it bounds."""
     note = _prepare_cpu_interpreter()
     import torch
 
@@ -93,89 +96,70 @@ def cmd_verify(args) -> int:
     gpu = platform.has_gpu()
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     small = args.small or not gpu
-    print(f"flydsl-backends verify on {platform.device_info(device).name} "
+    print(f"flydsl-backends {title} on {platform.device_info(device).name} "
           f"({'small CPU shapes' if small and not gpu else 'small shapes' if small else 'decode shapes'})")
     if note:
         print(f"note: {note}")
-    failures = 0
-    total = 0
-    n_skipped = 0
+    failures = total = n_skipped = 0
     for fam in _ops.OPS if args.op == "all" else (_ops.get(args.op),):
-        op = fam.name
-        reg = fam.registry()
+        op, reg = fam.name, fam.registry()
         impls = [n for n, ok, _ in reg.status() if ok and (not args.backend or n in args.backend)]
-        skipped = [(n, why) for n, ok, why in reg.status() if not ok]
-        for n, why in skipped:
-            print(f"  {op}/{n}: not run ({why})")
+        job = run_family(fam, impls, device, small)
+        if job is None:
+            continue
+        for n, ok, why in reg.status():
+            if not ok:
+                print(f"  {op}/{n}: not run ({why})")
         t0 = time.time()
-        rows = fam.run_verify(impls, device, small)
-        print(f"\n{'op':<5} {'impl':<7} {'result':<6} {'out err':>9} {'state err':>9}  case")
+        rows = job()
+        legend = bound_legend(fam) if bound_legend else None
+        bound_head = f" {'bound':>9}" if legend else ""
+        print(f"\n{'op':<5} {'impl':<7} {'result':<6} {'out err':>9} {'state err':>9}{bound_head}  case"
+              + (f" (bound: {legend})" if legend else ""))
         for r in rows:
+            dash = f" {'-':>9}" if legend else ""
             if r.get("skipped"):
                 n_skipped += 1
-                print(f"{op:<5} {r['impl']:<7} {'SKIP':<6} {'-':>9} {'-':>9}  {r['case']} ({r['skipped']})")
+                print(f"{op:<5} {r['impl']:<7} {'SKIP':<6} {'-':>9} {'-':>9}{dash}  {r['case']} ({r['skipped']})")
                 continue
             total += 1
             failures += 0 if r["ok"] else 1
             detail = r.get("error") or "".join(
-                f" [{k} failed]" for k in ("padding_zero", "conv_exact", "untouched_ok") if r.get(k) is False)
+                f" [{k} failed]" for k in ("padding_zero", "conv_exact", "untouched_ok") if r.get(k) is False
+            ).strip() or r.get("detail") or ""
             state = f"{r['state_err']:>9.2e}" if "state_err" in r else f"{'-':>9}"
+            bound = (f" {r['bound']:>9.2e}" if "bound" in r else dash) if legend else ""
             print(f"{op:<5} {r['impl']:<7} {'PASS' if r['ok'] else 'FAIL':<6} "
-                  f"{r.get('out_err', float('nan')):>9.2e} {state}  {r['case']}{detail}")
+                  f"{r.get('out_err', float('nan')):>9.2e} {state}{bound}  {r['case']}{'; ' + detail if detail else ''}")
         print(f"({time.time() - t0:.1f} s)")
     print(f"\n{total - failures} passed, {failures} failed" + (f", {n_skipped} skipped" if n_skipped else ""))
     return 1 if failures else 0
+
+
+def cmd_verify(args) -> int:
+    return _family_table(args, "verify", lambda fam, impls, device, small: lambda: fam.run_verify(impls, device, small))
 
 
 def cmd_accuracy(args) -> int:
     """Long-horizon decode against float64 (each family's ``accuracy`` module): the KDA recurrent state's
     drift over many steps, and a long paged decode through one shape-only plan with the cache written as it
     goes. On a GPU 2000 steps; on the CPU interpreter a few dozen, on small shapes."""
-    note = _prepare_cpu_interpreter()
-    import torch
-
     from backend_core import platform
 
-    gpu = platform.has_gpu()
-    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
-    small = args.small or not gpu
-    steps = args.steps if args.steps is not None else (2000 if gpu else 40)
+    steps = args.steps if args.steps is not None else (2000 if platform.has_gpu() else 40)
     if steps < 1:
         print(f"--steps: expected a positive count, got {steps}")
         return 2
-    print(f"flydsl-backends accuracy on {platform.device_info(device).name}: {steps} decode steps, "
-          f"{'small shapes' if small else 'decode shapes'}, against float64")
-    if note:
-        print(f"note: {note}")
-    failures = total = n_skipped = 0
-    for fam in _ops.OPS if args.op == "all" else (_ops.get(args.op),):
+    progress = (lambda line: print(line, flush=True)) if steps >= 200 else None
+
+    def run(fam, impls, device, small):
         if fam.accuracy is None:
-            continue
-        reg = fam.registry()
-        impls = [n for n, ok, _ in reg.status() if ok and (not args.backend or n in args.backend)]
-        for n, ok, why in reg.status():
-            if not ok:
-                print(f"  {fam.name}/{n}: not run ({why})")
-        t0 = time.time()
-        rows = fam.run_accuracy(impls, device, steps, small,
-                                step_progress=(lambda line: print(line, flush=True)) if steps >= 200 else None)
-        print(f"\n{'op':<5} {'impl':<7} {'result':<6} {'out err':>9} {'state err':>9} {'bound':>9}  case "
-              f"(bound: {'of the state error; the output may add 1e-2' if fam.name == 'kda' else 'of the output error'})")
-        for r in rows:
-            if r.get("skipped"):
-                n_skipped += 1
-                print(f"{fam.name:<5} {r['impl']:<7} {'SKIP':<6} {'-':>9} {'-':>9} {'-':>9}  {r['case']} ({r['skipped']})")
-                continue
-            total += 1
-            failures += 0 if r["ok"] else 1
-            state = f"{r['state_err']:>9.2e}" if "state_err" in r else f"{'-':>9}"
-            bound = f"{r['bound']:>9.2e}" if "bound" in r else f"{'-':>9}"
-            extra = r.get("error") or r.get("detail") or ""
-            print(f"{fam.name:<5} {r['impl']:<7} {'PASS' if r['ok'] else 'FAIL':<6} "
-                  f"{r.get('out_err', float('nan')):>9.2e} {state} {bound}  {r['case']}{'; ' + extra if extra else ''}")
-        print(f"({time.time() - t0:.1f} s)")
-    print(f"\n{total - failures} passed, {failures} failed" + (f", {n_skipped} skipped" if n_skipped else ""))
-    return 1 if failures else 0
+            return None
+        return lambda: fam.run_accuracy(impls, device, steps, small, step_progress=progress)
+
+    return _family_table(args, f"accuracy, {steps} decode steps against float64,", run,
+                         lambda fam: "of the state error; the output may add 1e-2" if fam.name == "kda"
+                         else "of the output error")
 
 
 def cmd_bench(args) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -89,36 +89,26 @@ def run_accuracy(impls: Sequence[str], device: torch.device, steps: int, small: 
                  step_progress=None) -> List[Dict[str, object]]:
     """Rows {impl, case, ok, out_err, state_err, bound, ...}: one per implementation and layer of the grid.
     ``progress(row)`` gets each row, ``step_progress(text)`` a line every 10% of a long run."""
+    from backend_core.ops import accuracy_rows
+
     from .api import REGISTRY
 
-    rows = []
-    for params in accuracy_grid(small):
-        desc = (f"{steps} steps B={params['B']} H={params['H']} K={params['K']} "
-                f"state={str(params['state_dtype']).replace('torch.', '')}{' f_b' if params.get('with_f_b') else ''}")
-        for impl in impls:
-            probe = make_case(**{k: v for k, v in params.items() if k != "padding"}, W=4, device=device,
-                              padding=params["padding"])
-            ok, why = REGISTRY.get(impl).can_serve(probe.problem())
-            res: Dict[str, object] = {"impl": impl, "case": desc}
-            if not ok:
-                res.update(ok=True, skipped=why)
-            else:
-                tick: Optional[object] = None
-                if step_progress:
-                    def tick(step, impl=impl):
-                        step_progress(f"  {impl} {desc}: step {step}/{steps}")
-                try:
-                    d = drift(steps, device=device, impl=impl, progress=tick, **params)
-                    res.update(out_err=d["max_out_err"], state_err=d["state_err"], bound=d["state_tol"], rho=d["rho"],
-                               ok=(d["max_out_err"] <= d["out_tol"] and d["state_err"] <= d["state_tol"]
-                                   and d["conv_equal"] and d["padding_zero"]))
-                    if not d["conv_equal"]:
-                        res["error"] = "conv windows differ from the float64 twin's"
-                    elif not d["padding_zero"]:
-                        res["error"] = "a padding row's output is not zero"
-                except Exception as exc:  # a crash is a failure row
-                    res.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-            rows.append(res)
-            if progress:
-                progress(res)
-    return rows
+    def run_one(impl, params, tick):
+        probe = make_case(**{k: v for k, v in params.items() if k != "padding"}, W=4, device=device,
+                          padding=params["padding"])
+        ok, why = REGISTRY.get(impl).can_serve(probe.problem())
+        if not ok:  # outside this implementation's coverage: reported, not a failure
+            return dict(ok=True, skipped=why)
+        d = drift(steps, device=device, impl=impl, progress=tick, **params)
+        res = dict(out_err=d["max_out_err"], state_err=d["state_err"], bound=d["state_tol"], rho=d["rho"],
+                   ok=(d["max_out_err"] <= d["out_tol"] and d["state_err"] <= d["state_tol"] and d["conv_equal"]
+                       and d["padding_zero"]))
+        if not d["conv_equal"]:
+            res["error"] = "conv windows differ from the float64 twin's"
+        elif not d["padding_zero"]:
+            res["error"] = "a padding row's output is not zero"
+        return res
+
+    cases = [(f"{steps} steps B={p['B']} H={p['H']} K={p['K']} state={str(p['state_dtype']).replace('torch.', '')}"
+              f"{' f_b' if p.get('with_f_b') else ''}", p) for p in accuracy_grid(small)]
+    return accuracy_rows(impls, cases, run_one, steps, progress, step_progress)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -131,38 +131,25 @@ def run_accuracy(impls: Sequence[str], device: torch.device, steps: int, small: 
     """Rows {impl, case, ok, out_err, ...}: one per implementation and grid point. An implementation that
     cannot serve the decode is skipped with the reason; ``write_kv`` runs on the same implementation, or on
     what ``auto`` picks where the op has none of that name (flydsl)."""
-    from .api import DECODE, WRITE
+    from backend_core.ops import accuracy_rows
 
-    rows = []
-    for params in accuracy_grid(small):
-        desc = (f"{steps} steps B={params['B']} Hq={params['Hq']} Hkv={params['Hkv']} D={params['D']} "
-                f"bs={params['block_size']} {params.get('scales', 'tensor')} {params.get('v_layout', '4d')}")
-        for impl in impls:
-            res: Dict[str, object] = {"impl": impl, "case": desc}
-            if impl not in DECODE.names():
-                res.update(ok=True, skipped=f"pa_decode has no {impl} implementation")
-                rows.append(res)
-                if progress:
-                    progress(res)
-                continue
-            tick: Optional[object] = None
-            if step_progress:
-                def tick(step, impl=impl):
-                    step_progress(f"  {impl} {desc}: step {step}/{steps}")
-            try:
-                d = long_decode(steps, device=device, impl=impl, progress=tick, **params)
-                res.update(out_err=d["max_out_err"], bound=d["tol"], ok=d["max_out_err"] <= d["tol"] and d["caches_equal"],
-                           detail=f"worst at step {d['worst_step']}, final context {d['final_context']}")
-                if not d["caches_equal"]:
-                    res["error"] = "the caches differ from the reference writer's"
-            except ValueError as exc:
-                if "cannot serve" in str(exc):  # outside this implementation's coverage: reported, not a failure
-                    res.update(ok=True, skipped=str(exc))
-                else:
-                    res.update(ok=False, error=f"ValueError: {exc}")
-            except Exception as exc:  # a crash is a failure row
-                res.update(ok=False, error=f"{type(exc).__name__}: {exc}")
-            rows.append(res)
-            if progress:
-                progress(res)
-    return rows
+    from .api import DECODE
+
+    def run_one(impl, params, tick):
+        if impl not in DECODE.names():
+            return dict(ok=True, skipped=f"pa_decode has no {impl} implementation")
+        try:
+            d = long_decode(steps, device=device, impl=impl, progress=tick, **params)
+        except ValueError as exc:
+            if "cannot serve" in str(exc):  # outside this implementation's coverage: reported, not a failure
+                return dict(ok=True, skipped=str(exc))
+            raise
+        res = dict(out_err=d["max_out_err"], bound=d["tol"], ok=d["max_out_err"] <= d["tol"] and d["caches_equal"],
+                   detail=f"worst at step {d['worst_step']}, final context {d['final_context']}")
+        if not d["caches_equal"]:
+            res["error"] = "the caches differ from the reference writer's"
+        return res
+
+    cases = [(f"{steps} steps B={p['B']} Hq={p['Hq']} Hkv={p['Hkv']} D={p['D']} bs={p['block_size']} "
+              f"{p.get('scales', 'tensor')} {p.get('v_layout', '4d')}", p) for p in accuracy_grid(small)]
+    return accuracy_rows(impls, cases, run_one, steps, progress, step_progress)
