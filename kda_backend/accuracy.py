@@ -37,7 +37,7 @@ def drift(steps: int, B: int, H: int, K: int, state_dtype: torch.dtype, device, 
     windows stayed bit-identical. ``progress(step)`` is called every 10% of the steps."""
     device = torch.device(device)
     case = make_case(B, H, K, 4, slots=B + 1, state_dtype=state_dtype, device=device, seed=seed, with_f_b=with_f_b,
-                     state_scale=0.1, include_slot0=True, padding=padding)
+                     state_scale=0.1, include_slot0=True, padding=padding, page_pad=32)  # vLLM-style page strides
     kw = case.kwargs
     kw["A_log"].fill_(math.log(0.05))  # slow forgetting: the hardest case for accumulated rounding
     twin_conv = kw["conv_state"].clone()
