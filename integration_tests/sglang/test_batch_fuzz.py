@@ -6,7 +6,7 @@ backend on the same FP8 bytes and against an independent dequantize-and-softmax 
 the same bytes at every live slot and nothing anywhere else.
 
 The ops run on the reference and on the Triton kernels (the interpreter on CPU, when Triton is usable).
-FUZZ_CASES (default 4) and FUZZ_SEED widen a local run.
+FUZZ_CASES (default 4) and FUZZ_SEED (default 3) widen a local run.
 
 Run: PYTHONPATH=integration_tests/stubs:. /work/venv-sgl/bin/python -m pytest -q integration_tests/sglang/test_batch_fuzz.py
 """
@@ -29,7 +29,7 @@ from integration_tests.sglang import harness as H  # noqa: E402
 
 ATOL, RTOL = 2e-2, 2e-2
 N_CASES = int(os.environ.get("FUZZ_CASES", "4"))
-SEED = int(os.environ.get("FUZZ_SEED", "0"))
+SEED = int(os.environ.get("FUZZ_SEED", "3"))  # 3: the first four cases cover every mode, page size and head dim
 
 
 def _triton_usable() -> bool:

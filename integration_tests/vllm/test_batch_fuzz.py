@@ -6,7 +6,7 @@ vLLM allocates for the backend). Each step runs the real metadata builder, ``do_
 with every slot outside the batch's tokens still holding the sentinel and the other layer untouched.
 
 The ops run on the reference and on the Triton kernels (the interpreter on CPU, when Triton is usable).
-FUZZ_CASES (default 4) and FUZZ_SEED widen a local run.
+FUZZ_CASES (default 5: the fifth has graph padding requests) and FUZZ_SEED widen a local run.
 
 Run: VLLM_TARGET_DEVICE=cpu /work/venv-vllm/bin/python -m pytest -q integration_tests/vllm/test_batch_fuzz.py
 """
@@ -27,7 +27,7 @@ import pa_backend.vllm as pav  # noqa: E402
 
 ATOL, RTOL = 2e-2, 2e-2
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-N_CASES = int(os.environ.get("FUZZ_CASES", "4"))
+N_CASES = int(os.environ.get("FUZZ_CASES", "5"))
 SEED = int(os.environ.get("FUZZ_SEED", "0"))
 
 
