@@ -118,8 +118,9 @@ def prefill_tiling(D: int, G: int, block_size: int = 16, amd: bool = False) -> T
     ``amd``: the tiling for AMD GPUs, not run there (no AMD GPU here). The H200's M 256 / 8-warp tile
     needs all 256 VGPRs and 64 KB of LDS there and spills ~500 bytes per lane (gfx942 496, gfx950 524):
     an 8-wave workgroup caps a wave at 256 registers. D <= 128 takes M 128, BT 64, 4 warps, 1 stage
-    instead (AMD's own Triton attention tile; a 4-wave workgroup may use the accumulation registers
-    too): no scratch on either arch (resources.amdgcn_report). D 256 keeps M 64 (no scratch).
+    instead (the tile sizes vLLM 0.33's paged prefix-prefill Triton kernel launches with on ROCm as on
+    CUDA; a 4-wave workgroup may use the accumulation registers too): no scratch on either arch
+    (resources.amdgcn_report). D 256 keeps M 64 (no scratch).
     """
     m = _env_int("FLYDSL_BACKENDS_PA_PREFILL_M", (128 if amd else 256) if D == 128 else 128 if D < 128 else 64)
     rows = max(1, m // G)
