@@ -25,9 +25,16 @@ import torch
 from .cases import make_case, rel_err
 from .reference import kda_gate, run_reference
 
-__all__ = ["drift", "accuracy_grid", "run_accuracy"]
+__all__ = ["drift", "drift_case", "accuracy_grid", "run_accuracy"]
 
 U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -9}
+
+
+def drift_case(B: int, H: int, K: int, state_dtype: torch.dtype, device, seed: int = 0, with_f_b: bool = False,
+               padding: Sequence[int] = ()):
+    """The layer ``drift`` runs: width-major conv windows, state pages strided past the slot (as vLLM's)."""
+    return make_case(B, H, K, 4, slots=B + 1, state_dtype=state_dtype, device=torch.device(device), seed=seed,
+                     with_f_b=with_f_b, state_scale=0.1, include_slot0=True, padding=padding, page_pad=32)
 
 
 def drift(steps: int, B: int, H: int, K: int, state_dtype: torch.dtype, device, impl: str, seed: int = 0,
@@ -36,8 +43,7 @@ def drift(steps: int, B: int, H: int, K: int, state_dtype: torch.dtype, device, 
     error over the steps, the final state error, the decay rate rho, the bounds, and whether the conv
     windows stayed bit-identical. ``progress(step)`` is called every 10% of the steps."""
     device = torch.device(device)
-    case = make_case(B, H, K, 4, slots=B + 1, state_dtype=state_dtype, device=device, seed=seed, with_f_b=with_f_b,
-                     state_scale=0.1, include_slot0=True, padding=padding, page_pad=32)  # vLLM-style page strides
+    case = drift_case(B, H, K, state_dtype, device, seed=seed, with_f_b=with_f_b, padding=padding)
     kw = case.kwargs
     kw["A_log"].fill_(math.log(0.05))  # slow forgetting: the hardest case for accumulated rounding
     twin_conv = kw["conv_state"].clone()
@@ -94,9 +100,7 @@ def run_accuracy(impls: Sequence[str], device: torch.device, steps: int, small: 
     from .api import REGISTRY
 
     def run_one(impl, params, tick):
-        probe = make_case(**{k: v for k, v in params.items() if k != "padding"}, W=4, device=device,
-                          padding=params["padding"])
-        ok, why = REGISTRY.get(impl).can_serve(probe.problem())
+        ok, why = REGISTRY.get(impl).can_serve(drift_case(device=device, **params).problem())
         if not ok:  # outside this implementation's coverage: reported, not a failure
             return dict(ok=True, skipped=why)
         d = drift(steps, device=device, impl=impl, progress=tick, **params)

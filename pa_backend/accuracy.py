@@ -54,7 +54,7 @@ def long_decode(steps: int, B: int, Hq: int, Hkv: int, D: int, block_size: int, 
     for s, n in enumerate(blocks):  # entries past a sequence's pages: other sequences' pages (stale ids)
         for j in range(n, width):
             table[s, j] = perm[rng.randrange(at)]
-    table = table.to(device)
+    t_cpu, table = table, table.to(device)  # slots are computed from the host copy (no sync per step)
     nan = fp8_nan_byte(fp8)
 
     def caches():
@@ -78,7 +78,6 @@ def long_decode(steps: int, B: int, Hq: int, Hkv: int, D: int, block_size: int, 
         rows = [(s, p) for s in range(B) for p in positions[s]]
         if not rows:
             return
-        t_cpu = table.cpu()
         slots = torch.tensor([int(t_cpu[s, p // block_size]) * block_size + p % block_size for s, p in rows],
                              dtype=torch.int64, device=device)
         k = (torch.randn(len(rows), Hkv, D, generator=g) * amp).to(torch.bfloat16).to(device)
