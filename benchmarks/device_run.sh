@@ -95,13 +95,15 @@ for step in $steps; do
                       integration_tests/e2e/test_sglang_kimi_engine.py) ;;
     tests-kda) cmd=(python3 -m pytest -q -m gpu kda_backend -p no:cacheprovider -rf) ;;
     # the PA interpreter tests pick the GPU when there is one: run them all (write_kv, safety cases)
-    tests-pa) cmd=(python3 -m pytest -q pa_backend -p no:cacheprovider -rf) ;;
+    # (PA_TESTS: a narrower selection, e.g. "pa_backend/tests/test_long_decode.py -m gpu")
+    tests-pa) cmd=(python3 -m pytest -q ${PA_TESTS:-pa_backend} -p no:cacheprovider -rf) ;;
     verify) cmd=(python3 -m flydsl_backends verify) ;;
     accuracy) cmd=(python3 -m flydsl_backends accuracy) ;;
     bench-kda|bench-pa) cmd=(python3 -m flydsl_backends bench "${step#bench-}" --out "$out/${step#bench-}_bench.csv") ;;
-    # the paged decode with the one-warp program's register cap lowered (benchmarks/NOTES.md, ninth session)
+    # the paged decode with the one-warp program's register cap lowered (benchmarks/NOTES.md, ninth session);
+    # no gather + SDPA baseline (the cap does not change it: bench-pa times it)
     bench-pa-nreg*) cmd=(env FLYDSL_BACKENDS_PA_TRITON_MAXNREG="${step#bench-pa-nreg}" python3 -m flydsl_backends bench pa
-                         --out "$out/pa_bench_${step#bench-}.csv") ;;
+                         --no-baseline --out "$out/pa_bench_${step#bench-}.csv") ;;
     sweep-pa) cmd=(python3 benchmarks/sweep_pa_triton.py "${SWEEP_SECONDS:-300}") ;;
     # probes (benchmarks/pa_probe/): decode warps/BT/stages with accuracy; where a vLLM graph step's time goes
     probe-warps) cmd=(python3 benchmarks/pa_probe/warps_probe.py "${PROBE_SECONDS:-300}") ;;
