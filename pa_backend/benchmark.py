@@ -4,7 +4,7 @@ Every case uses block tables as wide as a server's (``table_tokens``, default 12
 context when longer): the columns past each sequence's context hold garbage block ids, as stale
 entries in a real server's tables do. Each row states its table width. Decode is timed by CUDA-graph
 replay of a shape-only plan (``plan_decode``; what a server captures) and eagerly; prefill by graph
-replay of a planned batch. ``exact`` rows repeat two cases with exact-width tables, so the cost of
+replay of a planned batch bounded by its longest context (``max_context``, as both adapters plan it). ``exact`` rows repeat two cases with exact-width tables, so the cost of
 the width shows directly. ``host`` rows give the host time of one layer's call: ``plan.run`` (what
 the adapters call per layer) against the eager op (validation, selection and planning per call).
 
@@ -266,8 +266,10 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
         fns = {}
         for impl in impls:
             if prefill:
+                # the adapters bound a prefill plan by the batch's longest context (vLLM's max_seq_len,
+                # SGLang's seq_lens_cpu), which they hold on the host: so does the bench
                 plan = plan_prefill(kw["block_tables"], kw["query_start_loc"], kw["context_lengths"],
-                                    query_start_loc_host=qsl_host, backend=impl)
+                                    query_start_loc_host=qsl_host, max_context=total, backend=impl)
                 fns[impl] = ("graph", lambda i, plan=plan: plan.run(**args, out=out))
             else:
                 plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=new, backend=impl)
