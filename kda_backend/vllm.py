@@ -134,13 +134,17 @@ def flydsl_kda_enabled(vllm_config) -> bool:
 
 # --- state-index mapping ---------------------------------------------------------------------------
 
-# persistent int32 index / bool mask per device (grow-only; graphs captured with a buffer keep it)
-_index_buffers = DeviceBuffers("vLLM KDA state indices", [(torch.int32, False), (torch.bool, False)])
+# persistent int32 index / bool masks per device (grow-only; graphs captured with a buffer keep it)
+_index_buffers = DeviceBuffers("vLLM KDA state indices", [(torch.int32, False), (torch.bool, False),
+                                                          (torch.bool, False)])
+INT32_MAX = (1 << 31) - 1
 
 
 def map_state_indices(indices: torch.Tensor, num_rows: int, hint: int = 0) -> torch.Tensor:
     """vLLM's ``non_spec_state_indices_tensor`` -> our op's ``state_indices`` [num_rows] int32:
-    indices <= 0 (vLLM's null block 0) become -1 (padding), rows past ``len(indices)`` are -1.
+    indices <= 0 (vLLM's null block 0) become -1 (padding), and so do int64 indices past int32 (no
+    cache has that many slots; copied into int32 they would wrap onto a live slot); rows past
+    ``len(indices)`` are -1.
     Written into a persistent buffer (a view of it is returned): no host sync, no allocation once
     the buffer is large enough."""
     if not isinstance(indices, torch.Tensor):
@@ -149,10 +153,13 @@ def map_state_indices(indices: torch.Tensor, num_rows: int, hint: int = 0) -> to
         raise ValueError(f"non_spec_state_indices_tensor: expected a 1-D int32/int64 tensor, got "
                          f"{list(indices.shape)} {indices.dtype}")
     n = min(int(indices.shape[0]), int(num_rows))
-    buf, mask = _index_buffers.get(indices.device, (int(num_rows), int(num_rows)), minimum=(hint, hint))
+    buf, mask, big = _index_buffers.get(indices.device, (int(num_rows),) * 3, minimum=(hint,) * 3)
     out = buf[:num_rows]
     src = indices[:n]
     torch.le(src, 0, out=mask[:n])
+    if src.dtype == torch.int64:
+        torch.gt(src, INT32_MAX, out=big[:n])
+        mask[:n].logical_or_(big[:n])
     out[:n].copy_(src)
     out[:n].masked_fill_(mask[:n], -1)
     if n < num_rows:

@@ -38,6 +38,12 @@ def test_map_state_indices_null_block_and_short_tensor():
     assert kv.map_state_indices(idx.long(), 3).tolist() == [5, -1, 9]
 
 
+def test_map_state_indices_int64_past_int32_is_padding():
+    """Copied into the int32 buffer, 2**32 + 3 would wrap onto live slot 3 and 2**31 to a negative id."""
+    idx = torch.tensor([5, 0, -1, 2**32 + 3, 2**31, 2**31 - 1], dtype=torch.int64)
+    assert kv.map_state_indices(idx, 7).tolist() == [5, -1, -1, -1, -1, 2**31 - 1, -1]
+
+
 def test_map_state_indices_buffer_usable_in_and_out_of_inference_mode():
     """vLLM runs under inference_mode; a buffer first allocated there must stay writable outside."""
     dev = torch.device("meta")  # a device no other test used: the buffer is allocated here
