@@ -136,7 +136,8 @@ def _kernel_class():
             B, H, K = int(q.shape[1]), int(q.shape[2]), int(q.shape[3])
             x = torch.cat([t.reshape(B, H * K) for t in (q, k, v)], dim=1)
             return self.packed_decode(x, a, b, A_log=A_log, dt_bias=dt_bias, scale=K ** -0.5, ssm_states=ssm_states,
-                                      cache_indices=cache_indices, num_v_heads=H, head_v_dim=K, lower_bound=lower_bound)
+                                      cache_indices=cache_indices, num_v_heads=H, head_v_dim=K, lower_bound=lower_bound,
+                                      **kwargs)  # packed_decode refuses the ReplaySSM buffers we do not fill
 
         def extend(self, *args, **kwargs):
             raise NotImplementedError("flydsl serves KDA decode only; prefill stays on SGLang's kernel")

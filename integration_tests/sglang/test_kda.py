@@ -80,6 +80,24 @@ def test_dispatcher_picks_flydsl_kernel():
     assert ks.user_selected_flydsl()
 
 
+@pytest.mark.parametrize("form", ["packed", "unpacked"])
+def test_decode_refuses_replay_ssm_buffers(form):
+    """Neither form may run and leave SGLang's state-tracking buffers unwritten (the unpacked form used to
+    drop its extra keyword arguments)."""
+    kernel = ks.make_decode_kernel("torch")
+    B, H, K = 1, 2, 32
+    a, b = torch.zeros(B, H * K), torch.zeros(B, H)
+    common = dict(A_log=torch.zeros(H), dt_bias=torch.zeros(H * K), ssm_states=torch.zeros(2, H, K, K),
+                  cache_indices=torch.zeros(B, dtype=torch.int32), intermediate_states_buffer=torch.zeros(1))
+    with pytest.raises(NotImplementedError, match="intermediate_states_buffer"):
+        if form == "packed":
+            kernel.packed_decode(torch.zeros(B, 3 * H * K), a, b, scale=K ** -0.5, num_v_heads=H, head_v_dim=K,
+                                 **common)
+        else:
+            q = torch.zeros(1, B, H, K)
+            kernel.decode(q, q, q, a, b, query_start_loc=torch.tensor([0, 1], dtype=torch.int32), **common)
+
+
 @pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus_gate", "safe_gate"])
 def test_eager_decode_matches_reference(lower_bound, packed_calls):
     fx = KH.build_kda_fixture(lower_bound=lower_bound, seed=3)
