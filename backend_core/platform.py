@@ -23,6 +23,7 @@ DeviceLike = Union[torch.device, str, int, None]
 
 __all__ = [
     "DeviceInfo",
+    "on_call_device",
     "device_info",
     "has_gpu",
     "is_hip",
@@ -302,3 +303,20 @@ def _version_of(dist: str) -> Optional[str]:
         return version(dist)
     except Exception:
         return "unknown"
+
+
+def on_call_device(run):
+    """``run(call)`` with ``call.device`` made the current GPU while it runs. Triton, FlyDSL and AITER
+    launch on the current device and its current stream, so a call whose tensors live on another GPU
+    than the current one (a process driving several GPUs; a server's workers each set their own)
+    would launch there with this GPU's pointers. Costs a device-index compare per call; the registry
+    wraps every runner it binds for a GPU call."""
+    def guarded(call):
+        dev = call.device
+        if dev.index is not None and dev.index != torch.cuda.current_device():
+            with torch.cuda.device(dev):
+                return run(call)
+        return run(call)
+
+    guarded.__wrapped__ = run
+    return guarded

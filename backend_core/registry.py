@@ -10,7 +10,8 @@ Each op (``kda_decode``, ``pa_decode``, ``pa_prefill``, ``write_kv``, ...) owns 
   inside it (e.g. which FlyDSL source, AITER or the project's kernel) once for that call's shape.
 
 ``select(call, backend="auto")`` returns a :class:`Runner`: the chosen implementation with its
-``run`` bound (callers that keep it, like a plan, make every choice once):
+``run`` bound (callers that keep it, like a plan, make every choice once); for a GPU call the bound
+``run`` makes the call's GPU the current device while it runs (kernels launch on the current one):
 
 * ``backend="auto"`` walks the family's preference order for the call's device (fastest first)
   and takes the first implementation that is available and supports the call. The environment
@@ -160,7 +161,12 @@ class OpRegistry:
         """Pick the implementation for ``call`` and bind its run. ``site_depth``: frames between the
         caller of ``select`` and the user's call site (for the once-per-call-site log line)."""
         impl = self._choose(call, backend, device_type, site_depth)
-        return Runner(impl.name, impl, impl.bind(call) if impl.bind is not None else impl.run)
+        run = impl.bind(call) if impl.bind is not None else impl.run
+        if device_type == "cuda":
+            from .platform import on_call_device
+
+            run = on_call_device(run)  # kernels launch on the current GPU: make it the call's
+        return Runner(impl.name, impl, run)
 
     def _choose(self, call: Any, backend: str, device_type: str, site_depth: int) -> Implementation:
         name = self.requested_backend(backend)

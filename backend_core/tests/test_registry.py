@@ -86,3 +86,36 @@ def test_availability_probe_exception_is_a_reason():
 def test_duplicate_registration_rejected(reg):
     with pytest.raises(ValueError, match="registered twice"):
         reg.register(make(name="fast"))
+
+
+def test_gpu_runner_makes_the_calls_device_current(reg, monkeypatch):
+    """Kernels launch on the current GPU: a call on cuda:1 while cuda:0 is current runs inside cuda:1's
+    device context; a call on the current GPU, and a CPU call, run without switching."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+
+    seen = []
+
+    @contextlib.contextmanager
+    def fake_device(dev):
+        seen.append(("enter", dev.index))
+        yield
+        seen.append(("exit", dev.index))
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device", fake_device)
+    reg.register(Implementation("rec", lambda: (True, ""), lambda call: (True, ""),
+                                lambda call: seen.append(("run", call.device.index)) or "done"))
+    on1 = SimpleNamespace(device=torch.device("cuda", 1))
+    assert reg.select(on1, "rec", "cuda").run(on1) == "done"
+    assert seen == [("enter", 1), ("run", 1), ("exit", 1)]
+    seen.clear()
+    on0 = SimpleNamespace(device=torch.device("cuda", 0))
+    reg.select(on0, "rec", "cuda").run(on0)
+    assert seen == [("run", 0)]
+    seen.clear()
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    reg.select(cpu, "rec", "cpu").run(cpu)
+    assert seen == [("run", None)]
