@@ -13,7 +13,6 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from backend_core.validation import (
-    INT32_MAX,
     CheckMemo,
     arg_key,
     checked_tensor,
@@ -31,6 +30,10 @@ from backend_core.validation import (
 )
 
 from .fp8 import FP8_DTYPES
+
+# the longest sequence a block table may describe: the kernels keep token positions in int32, and a
+# context, a window and a partition's length added together must not pass 2^31
+MAX_TABLE_TOKENS = 1 << 30
 
 __all__ = ["PAProblem", "PABatch", "WriteProblem", "check_batch", "check_layer", "prepare_attention", "prepare_write",
            "BLOCK_SIZES", "HEAD_DIMS"]
@@ -309,6 +312,8 @@ def _check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, va
     if Hq % cache.Hkv or not 1 <= Hq // cache.Hkv <= MAX_GQA:
         raise ValueError(f"query: Hq={Hq} must be a multiple of Hkv={cache.Hkv} with a ratio of 1..{MAX_GQA}")
     require_unit_stride(query, "query")
+    if T:  # rows are offset in int64, heads inside a row in int32 (a heads-outermost query can pass it)
+        require_int32_span(query[0], "query", "one token's row (all heads)")
     N = batch.num_seqs
     if batch.is_decode:
         if T != N * batch.query_length:
@@ -325,8 +330,13 @@ def _check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, va
         raise TypeError(f"sliding_window: expected an int (0 = off), got {type(sliding_window).__name__}")
     if sliding_window < 0:
         raise ValueError(f"sliding_window: expected >= 0 (0 = off), got {sliding_window}")
-    if sliding_window >= INT32_MAX:
-        sliding_window = 0  # wider than any context the kernels address (int32 positions): no window
+    table_tokens = int(batch.block_tables.shape[1]) * cache.block_size
+    if table_tokens > MAX_TABLE_TOKENS:
+        raise ValueError(f"block_tables: {int(batch.block_tables.shape[1])} blocks of {cache.block_size} tokens = "
+                         f"{table_tokens} tokens per sequence; at most {MAX_TABLE_TOKENS} (2^30: the kernels keep "
+                         "token positions in int32)")
+    if sliding_window >= table_tokens:
+        sliding_window = 0  # at least as wide as any context the table holds: no window
     if sinks is not None:
         sinks = checked_tensor(sinks, "sinks", device, (torch.float32,), anchor="query")
         require_shape(sinks, "sinks", (Hq,), "[Hq]")

@@ -295,3 +295,79 @@ def test_a_block_slice_past_int32_is_rejected():
     with pytest.raises(ValueError, match=r"key_cache: one \(block, KV head\) slice spans"):
         pa_decode(x, kc, vc, torch.zeros((1, 1), dtype=torch.int32, device=DEVICE),
                   torch.ones(1, dtype=torch.int32, device=DEVICE), s, s, backend="torch")
+
+
+# --- 6. token positions near int32's edges (found by review; each crashed the interpreter before) ------------
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("prefill", [False, True])
+@pytest.mark.parametrize("window", [2**31 - 3, 2**31 - 2])
+def test_window_near_int32_with_rows_that_see_nothing(impl, prefill, window):
+    """A window just under 2^31 and rows with nothing to attend (a padded decode sequence of context 0 and
+    4 query rows; 200 prefill rows over 100 tokens): ctx - rows + 1 - window wrapped in int32 and the tile
+    loop read the block table 512 MiB before its row. Any window at least as wide as the table is no window."""
+    if prefill:
+        c = make_pa_case([100], query_lengths=[200], Hq=1, Hkv=1, D=64, seed=3, device=DEVICE)
+    else:
+        c = make_pa_case([0, 20], query_length=4, Hq=1, Hkv=1, D=64, seed=3, device=DEVICE)
+    before = snap(c.kwargs)
+    assert torch.equal(c.call(impl, out=None, sliding_window=window), c.call(impl, out=None, sliding_window=0))
+    table_tokens = c.kwargs["block_tables"].shape[1] * c.kwargs["value_cache"].shape[-1]
+    assert torch.equal(c.call(impl, out=None, sliding_window=table_tokens), c.call(impl, out=None, sliding_window=0))
+    assert same_bytes(c.kwargs, before)
+
+
+@pytest.mark.parametrize("ctx0,ql,window", [(2**31 - 1, 1, 64), (2**31 - 1, 2, 1817), (-2**31 + 767, 3, 2209),
+                                            (-2**31, 1, 128)])
+@pytest.mark.parametrize("num_partitions", [None, 4, 16])
+def test_context_lengths_near_int32_stay_inside_the_table(ctx0, ql, window, num_partitions):
+    """The data of context_lengths is not validated (no host read): a stale or corrupt length next to
+    int32's edges must not move a load outside the table (start + partition length wrapped and the kernel
+    read block ids far outside it). Lengths are clamped to [0, 2^30] where the kernels read them: a
+    negative one gives zero rows, one past the table attends the table's tokens only."""
+    if not REGISTRY.get("triton").is_available()[0]:
+        pytest.skip("triton not usable here")
+    c = make_pa_case([40, 20], query_length=ql, Hq=2, Hkv=1, D=64, seed=4, device=DEVICE)
+    kw = dict(c.kwargs)
+    kw["context_lengths"] = kw["context_lengths"].clone()
+    kw["context_lengths"][0] = ctx0
+    before = snap(kw)
+    out = pa_decode(**dict(kw, out=None, sliding_window=window, num_partitions=num_partitions), backend="triton")
+    assert torch.isfinite(out).all()
+    if ctx0 < 0:
+        assert not out[:ql].any()
+    want = pa_decode(**dict(c.kwargs, out=None, sliding_window=window, num_partitions=num_partitions),
+                     backend="triton")
+    assert torch.equal(out[ql:], want[ql:])  # the other sequence is untouched by the bad one
+    assert same_bytes(kw, before)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_query_row_past_int32_is_rejected(impl):
+    """A query laid out heads-outermost with head stride 2^30: head 2 starts 2^31 elements into its row.
+    The kernel offsets heads inside a row in int32 (it wrapped to 4 GiB before the query, a wrong answer
+    where that memory is mapped): such a layout is refused before anything runs."""
+    S = 2**30
+    c = make_pa_case([20], query_length=1, Hq=3, Hkv=1, D=64, seed=3, device=DEVICE)
+    big = torch.empty(4 * S + 64, dtype=torch.bfloat16, device=DEVICE)  # 8 GiB, virtual on CPU: never touched
+    q = big.as_strided((1, 3, 64), (64, S, 1), 2 * S)
+    before = snap(c.kwargs)
+    with pytest.raises(ValueError, match=r"query: one token's row \(all heads\) spans \d+ elements, past the int32"):
+        pa_decode(**dict(c.kwargs, query=q, out=None), backend=impl)
+    assert same_bytes(c.kwargs, before)
+    del big
+    q = torch.empty(3, 1, 64, dtype=torch.bfloat16, device=DEVICE).transpose(0, 1)  # heads-outermost, small: fine
+    q.copy_(c.kwargs["query"])
+    assert torch.equal(pa_decode(**dict(c.kwargs, query=q, out=None), backend=impl),
+                       pa_decode(**dict(c.kwargs, out=None), backend=impl))
+
+
+def test_a_table_wider_than_2_30_tokens_is_rejected():
+    c = case()
+    kw = dict(c.kwargs)
+    bs = kw["value_cache"].shape[-1]
+    kw["block_tables"] = torch.empty((3, (1 << 30) // bs + 1), dtype=torch.int32, device=DEVICE)  # never read
+    before = snap(kw)
+    with pytest.raises(ValueError, match=r"block_tables: \d+ blocks of \d+ tokens = \d+ tokens per sequence; at most "
+                                         r"1073741824"):
+        pa_decode(**kw, backend="torch")
+    assert same_bytes(kw, before)

@@ -71,12 +71,23 @@
 # loads in flight together; a plain loop costs one memory round trip per partition).
 #
 # Offsets: block ids, KV-head offsets into the caches and row offsets are int64 (caches > 2 GiB, any order
-# of their dimensions); offsets inside one (block, head) slice are int32 (the contract checks their span).
+# of their dimensions); offsets inside one (block, head) slice and inside one query / output row are int32
+# (the contract checks their spans). Token positions are int32: context lengths are clamped to [0, 2^30] where
+# they are read, the contract bounds a table at 2^30 tokens and a window below the table's width.
 
 import triton
 import triton.language as tl
 
 RED_PC = tl.constexpr(16)  # partitions per load of the reduce's max pass
+# context lengths are clamped to [0, CTX_CAP] where they are read: the contract bounds a table at 2^30
+# tokens and a window below the table's width, so a length the buffer holds (the data is not checked:
+# a stale or corrupt entry, a negative padding value) keeps every position sum in int32
+CTX_CAP = tl.constexpr(1 << 30)
+
+
+@triton.jit
+def _clamped(ctx):
+    return tl.minimum(tl.maximum(ctx, 0), CTX_CAP)
 
 
 @triton.jit
@@ -91,12 +102,13 @@ def _rows_of(p_cl, stride_cl, p_chunks, i_s, QL: tl.constexpr, RAGGED: tl.conste
         seq = tl.load(p_chunks + i_s * 4).to(tl.int64)
         q0 = tl.load(p_chunks + i_s * 4 + 1).to(tl.int64)
         nrows = tl.load(p_chunks + i_s * 4 + 2)
-        ctx = tl.load(p_cl + seq * stride_cl) - tl.load(p_chunks + i_s * 4 + 3)  # minus the rows after the chunk
+        ctx = _clamped(tl.load(p_cl + seq * stride_cl)) - tl.load(p_chunks + i_s * 4 + 3)  # minus the rows after it
+        ctx = tl.maximum(ctx, 0)  # <= 0: no row of the chunk sees a token either way
     else:
         seq = i_s
         q0 = i_s * QL
         nrows = QL
-        ctx = tl.load(p_cl + i_s * stride_cl)
+        ctx = _clamped(tl.load(p_cl + i_s * stride_cl))
     return seq, q0, nrows, ctx
 
 
@@ -287,7 +299,7 @@ def _max_partitions(p_cl, stride_cl, n_items, nrows, sliding_window, P, few_targ
     most = tl.full([], 1, tl.int32)
     for i0 in tl.range(0, n_items, 128):
         o = i0 + tl.arange(0, 128)
-        c = tl.load(p_cl + o.to(tl.int64) * stride_cl, mask=o < n_items, other=0)
+        c = _clamped(tl.load(p_cl + o.to(tl.int64) * stride_cl, mask=o < n_items, other=0))
         n = _partition_span(c, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)[2]
         most = tl.maximum(most, tl.max(n, 0))
     return most

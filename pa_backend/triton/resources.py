@@ -28,8 +28,12 @@ SHIPPED_CONFIGS = [(D, bs, m, v5, pt) for D in (64, 128, 256) for bs in (16, 64,
 # Where they sit (ptxas_report's hot_spills, from the SASS): the decode programs' spills are all outside their
 # tile loops (stored once per program, reloaded once per task: 1 / 12 instructions), the prefill tile's are in
 # its tile loop (48 instructions per tile at M 256); the resource test keeps decode spills out of the tile loops.
+# The D=256 one-query programs with the 5-D V layout and per-token scales (128 registers; task and direct
+# launches): 4 bytes since context lengths are clamped where they are read (input safety; registers unchanged,
+# the spill is outside their tile loops; not timed on the GPU).
 SPILL_ALLOWED = {("prefill", 128, 256): 512, ("direct-prefill", 128, 256): 512, (128, 16, 16, False, False): 4,
-                 (128, 16, 16, True, True): 48}
+                 (128, 16, 16, True, True): 48, (256, 16, 16, True, True): 4,
+                 ("direct", 256, 16, 1): 4}
 
 
 # AMD (compiled here with Triton 3.6, never run on AMD hardware): scratch bytes per lane allowed per
