@@ -17,6 +17,8 @@ dequantize to the query dtype and call ``torch.nn.functional.scaled_dot_product_
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Dict, List, Sequence, Tuple
 
 import torch
@@ -27,7 +29,7 @@ from backend_core.timing import bench_context, result_row, time_cuda_graph, time
 from .verify import ACCURACY_TARGET
 
 __all__ = ["bench_case", "gather_sdpa", "run_bench", "accuracy", "DEFAULT_CONFIGS", "PREFILL_CONFIGS", "kv_bytes",
-           "mixed_lengths"]
+           "mixed_lengths", "null_kernels", "host_overhead"]
 
 TABLE_TOKENS = 1 << 17  # a server's max-model-len (vLLM's block_table_tensor, SGLang's req_to_token width)
 
@@ -182,18 +184,13 @@ def host_overhead(kw: Dict[str, object], layers: int = 200, backend: str = "trit
     the CPU run measures it)."""
     import time
 
-    from . import REGISTRY, pa_decode, plan_decode
-    from backend_core.registry import Implementation
+    from . import pa_decode, plan_decode
 
     args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
     out = torch.empty_like(kw["query"])
-    null = backend == "null"
-    if null and "null" not in REGISTRY.names():
-        REGISTRY.register(Implementation("null", lambda: (True, "host-time probe"), lambda p: (True, "ok"),
-                                         lambda p: p.out, "returns at once (bench host-time probe)"))
     dev = kw["query"].device
     res = {}
-    try:
+    with (null_kernels() if backend == "null" else contextlib.nullcontext()):
         plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=int(kw["query_length"]))
         for name, fn in (("plan.run", lambda: plan.run(**args, out=out, backend=backend)),
                          ("pa_decode", lambda: pa_decode(**args, block_tables=kw["block_tables"],
@@ -210,10 +207,38 @@ def host_overhead(kw: Dict[str, object], layers: int = 200, backend: str = "trit
             res[name] = (time.perf_counter() - t0) / layers * 1e6
             if dev.type == "cuda":
                 torch.cuda.synchronize(dev)
-    finally:
-        if null:
-            REGISTRY._impls.pop("null", None)
     return res
+
+
+@contextlib.contextmanager
+def null_kernels():
+    """A ``null`` implementation of every paged op while the block runs (``backend="null"``, or an
+    adapter's ``pa_impl="null"``): it validates, plans and dispatches as any other and then returns at
+    once, so a timing loop measures the host side alone, on any machine. Yields a dict counting the
+    calls that reached it per op (a check that the timed path really dispatched)."""
+    from backend_core.registry import Implementation
+
+    from .api import REGISTRIES
+
+    calls: Dict[str, int] = {}
+
+    def run_of(op):
+        def run(p):
+            calls[op] = calls.get(op, 0) + 1
+            return getattr(p, "out", None)
+        return run
+
+    added = []
+    for op, reg in REGISTRIES.items():
+        if "null" not in reg.names():
+            reg.register(Implementation("null", lambda: (True, "host-time probe"), lambda p: (True, "ok"),
+                                        run_of(op), "returns at once (host-time probe)"))
+            added.append(reg)
+    try:
+        yield calls
+    finally:
+        for reg in added:
+            reg._impls.pop("null", None)
 
 
 def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] = ("triton",), trials: int = 30,

@@ -584,3 +584,14 @@ def test_one_plan_per_batch_multi_layer_step_does_not_sync_gpu(mode):
     assert be.forward_metadata.plan is plan and len(plan.state) == 1  # one plan, one launch state
     for i, (o, (q, _, _)) in enumerate(zip(outs, ins)):
         _close(o, H.fp8_reference_attention(case, side, q, layer_idx=i))
+
+
+def test_host_time_script_times_the_adapters_layer_path():
+    """integration_tests/sglang/host_time.py (a measurement, not a timed test): every timed layer call went
+    through RadixAttention's forward, the pool's write and the plan down to the ops' dispatch (the null
+    implementation counts)."""
+    from integration_tests.sglang import host_time
+
+    r = host_time.adapter_host_time(layers=20, B=2, context=40, table_tokens=256)
+    assert r["calls"] == {"write_kv": 20, "pa_decode": 20}
+    assert r["layer"] > 0 and r["metadata"] > 0

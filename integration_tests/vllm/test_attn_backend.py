@@ -424,3 +424,13 @@ def test_one_plan_per_batch_multi_layer_step_does_not_sync_gpu(model_dir, name, 
     assert len(md.plan.state) == 1  # one launch state, made by the first layer, run by all
     for (*_, out), want in zip(args, wants):
         torch.testing.assert_close(out.float().cpu(), want, atol=ATOL, rtol=RTOL)
+
+
+def test_host_time_script_times_the_adapters_layer_path():
+    """integration_tests/vllm/host_time.py (a measurement, not a timed test): every timed layer call went
+    through do_kv_cache_update and forward down to the ops' dispatch (the null implementation counts)."""
+    from integration_tests.vllm import host_time
+
+    r = host_time.adapter_host_time(layers=20, B=2, context=40, table_tokens=256)
+    assert r["calls"] == {"write_kv": 20, "pa_decode": 20}
+    assert r["layer"] > 0 and r["build"] > 0

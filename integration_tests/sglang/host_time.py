@@ -1,0 +1,67 @@
+"""Host time of one layer's attention call through the SGLang adapter, as SGLang's model runner makes it:
+``init_forward_metadata`` once per step (one plan per batch), then every layer's ``RadixAttention``
+forward (the pool's ``set_kv_buffer`` -> write_kv, then plan.run). The paged ops run on the ``null``
+implementation (``pa_backend.benchmark.null_kernels``: validated, planned and dispatched, then nothing is
+launched), so the figures are SGLang's layer wrapper, the adapter's and this package's Python, on any
+machine. On a GPU the kernels' launch costs come on top (``flydsl-backends bench pa`` times ``plan.run``
+with them).
+
+Real SGLang 0.5.23 objects (``harness``): an eager decode step of B sequences of ``context`` tokens,
+``req_to_token`` rows ``table_tokens`` wide, the harness's tiny heads (Hq 8, Hkv 2, D 64: the host work does
+not depend on them).
+
+Run: PYTHONPATH=integration_tests/stubs:. python -m integration_tests.sglang.host_time [layers]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+
+def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_tokens: int = 16384,
+                      page_size: int = 16) -> dict:
+    """{"metadata": us per step, "layer": us per layer call, "calls": null-kernel calls per op} on CPU."""
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+
+    from integration_tests.sglang import harness as H
+    from pa_backend.benchmark import null_kernels
+
+    case = H.Case(mode="decode", page_size=page_size, prefix_lens=(context - 1,) * B)
+    side, _ = H.build_side(case, "flydsl", pa_impl="null", num_layers=1, max_context_len=table_tokens)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, case.num_heads * case.head_dim, generator=g).bfloat16()
+    k, v = (torch.randn(B, case.num_kv_heads * case.head_dim, generator=g).bfloat16() for _ in range(2))
+    layer, fb, backend = side.layers[0], side.forward_batch, side.backend
+    steps = max(layers // 10, 1)
+    with null_kernels() as calls, torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
+        for _ in range(10):
+            backend.init_forward_metadata(fb)
+            layer(q, k, v, fb)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            backend.init_forward_metadata(fb)
+        meta_us = (time.perf_counter() - t0) / steps * 1e6
+        calls.clear()
+        t0 = time.perf_counter()
+        for _ in range(layers):
+            layer(q, k, v, fb)
+        layer_us = (time.perf_counter() - t0) / layers * 1e6
+    return {"metadata": meta_us, "layer": layer_us, "calls": dict(calls)}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    layers = int(argv[0]) if argv else 400
+    r = adapter_host_time(layers)
+    print("SGLang 0.5.23 adapter, host time (CPU, null kernels; B=8 eager decode, 1k context, 16k-token rows):")
+    print(f"  init_forward_metadata (once per step): {r['metadata']:8.1f} us")
+    print(f"  one layer (RadixAttention forward: set_kv_buffer + attention): {r['layer']:8.1f} us   "
+          f"calls per op: {r['calls']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,87 @@
+"""Host time of one layer's attention call through the vLLM adapter, as vLLM's model runner makes it: the
+metadata builder runs once per step (one plan per batch), then every layer calls
+``do_kv_cache_update`` (write_kv) and ``forward`` (plan.run). The paged ops run on the ``null``
+implementation (``pa_backend.benchmark.null_kernels``: validated, planned and dispatched, then nothing is
+launched), so the figures are the adapter's and this package's Python, on any machine. On a GPU the
+kernels' launch costs come on top (``flydsl-backends bench pa`` times ``plan.run`` with them).
+
+Real vLLM 0.33 objects (``attn_harness``): a decode step of B sequences of ``context`` tokens, block tables
+``table_tokens`` wide (a server's max-model-len), the harness's tiny heads (Hq 4, Hkv 2, D 64: the host
+work does not depend on them).
+
+Run: VLLM_TARGET_DEVICE=cpu python -m integration_tests.vllm.host_time [layers]
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+
+def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_tokens: int = 131072,
+                      block_size: int = 16) -> dict:
+    """{"build": us per step, "layer": us per layer call, "calls": null-kernel calls per op} on CPU."""
+    from vllm.config import set_current_vllm_config
+
+    import pa_backend.vllm as pav
+    from integration_tests.vllm import attn_harness as H
+    from pa_backend.benchmark import null_kernels
+
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+    spec = H.backend_spec(block_size=block_size)
+    with tempfile.TemporaryDirectory() as tmp:
+        vc = H.vllm_config(H.tiny_llama_dir(Path(tmp)), block_size=block_size)
+        with set_current_vllm_config(vc):
+            builder = pav.FlyDSLAttentionMetadataBuilder(spec, names, vc, torch.device("cpu"))
+    per_seq = -(-context // block_size)
+    b = H.Batch(prefix_lens=[context - 1] * B, query_lens=[1] * B, block_size=block_size,
+                num_blocks=B * per_seq + 1)
+    cam = H.common_metadata(b, H.block_rows(b, max_blocks=table_tokens // block_size))
+    kv = H.allocate(spec, b.num_blocks, names)[names[0]]
+    impl = H.make_impl(pa_impl="null")
+    layer = H.layer_with_scales(0.5, 0.25)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, H.HQ, H.D, generator=g).bfloat16()
+    k, v = (torch.randn(B, H.HKV, H.D, generator=g).bfloat16() for _ in range(2))
+    out = torch.empty_like(q)
+
+    def step():  # vLLM's runner refills the same metadata buffers every step: the builder reuses its plan
+        return builder.build(0, cam)
+
+    def one_layer(md):
+        impl.do_kv_cache_update(layer, k, v, kv, cam.slot_mapping)
+        impl.forward(layer, q, k, v, kv, md, out)
+
+    with null_kernels() as calls:
+        md = step()
+        for _ in range(10):
+            one_layer(md)
+            md = step()
+        t0 = time.perf_counter()
+        for _ in range(max(layers // 10, 1)):
+            md = step()
+        build_us = (time.perf_counter() - t0) / max(layers // 10, 1) * 1e6
+        calls.clear()
+        t0 = time.perf_counter()
+        for _ in range(layers):
+            one_layer(md)
+        layer_us = (time.perf_counter() - t0) / layers * 1e6
+    return {"build": build_us, "layer": layer_us, "calls": dict(calls)}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    layers = int(argv[0]) if argv else 400
+    r = adapter_host_time(layers)
+    print("vLLM 0.33 adapter, host time (CPU, null kernels; B=8 decode, 1k context, 128k-token tables):")
+    print(f"  metadata builder (once per step): {r['build']:8.1f} us")
+    print(f"  one layer (do_kv_cache_update + forward): {r['layer']:8.1f} us   calls per op: {r['calls']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
