@@ -2,7 +2,7 @@
 # One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify accuracy bench-kda bench-pa bench-pa-nreg<N>
 # sweep-pa e2e-vllm
 # e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang spec-sglang kimi-sglang
-# probe-warps probe-grid probe-tail probe-short probe-short-vllm profile-vllm
+# probe-warps probe-grid probe-tail probe-short probe-short-vllm profile-vllm host-vllm host-sglang
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
 # Optional wheels (fla-core for the composed KDA baseline) travel in .whl/ and go to /tmp/site.
@@ -116,6 +116,9 @@ for step in $steps; do
     # the same against vLLM's TRITON_ATTN (the tree again, for a same-process comparison)
     probe-short-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" PROBE_VARIANTS=tree,vllm
                            python3 benchmarks/pa_probe/short_probe.py "${PROBE_SECONDS:-300}") ;;
+    # the host time of one layer's call through each adapter, the Triton kernels launched (integration_tests/*/host_time.py)
+    host-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 -m integration_tests.vllm.host_time 1000 --gpu) ;;
+    host-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m integration_tests.sglang.host_time 1000 --gpu) ;;
     profile-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 benchmarks/pa_probe/engine_step_profile.py) ;;
     *) echo "unknown step $step"; rc=2; continue ;;
   esac

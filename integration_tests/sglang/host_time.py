@@ -11,6 +11,7 @@ Real SGLang 0.5.23 objects (``harness``): an eager decode step of B sequences of
 not depend on them).
 
 Run: PYTHONPATH=integration_tests/stubs:. python -m integration_tests.sglang.host_time [layers]
+     ... host_time [layers] --gpu   (a GPU: the Triton kernels launched)
 """
 
 from __future__ import annotations
@@ -22,18 +23,20 @@ import torch
 
 
 def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_tokens: int = 16384,
-                      page_size: int = 16) -> dict:
-    """{"metadata": us per step, "layer": us per layer call, "calls": null-kernel calls per op} on CPU."""
+                      page_size: int = 16, device: str = "cpu", impl: str = "null") -> dict:
+    """{"metadata": us per step, "layer": us per layer call, "calls": null-kernel calls per op}. ``device="cuda"``
+    with ``impl="triton"``: the kernels are launched (queued, not awaited), as in a server's eager step."""
     from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 
     from integration_tests.sglang import harness as H
     from pa_backend.benchmark import null_kernels
 
     case = H.Case(mode="decode", page_size=page_size, prefix_lens=(context - 1,) * B)
-    side, _ = H.build_side(case, "flydsl", pa_impl="null", num_layers=1, max_context_len=table_tokens)
+    side, _ = H.build_side(case, "flydsl", pa_impl=impl, num_layers=1, max_context_len=table_tokens, device=device)
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, case.num_heads * case.head_dim, generator=g).bfloat16()
-    k, v = (torch.randn(B, case.num_kv_heads * case.head_dim, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(B, case.num_heads * case.head_dim, generator=g).bfloat16().to(device)
+    k, v = (torch.randn(B, case.num_kv_heads * case.head_dim, generator=g).bfloat16().to(device) for _ in range(2))
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     layer, fb, backend = side.layers[0], side.forward_batch, side.backend
     steps = max(layers // 10, 1)
     with null_kernels() as calls, torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
@@ -45,18 +48,23 @@ def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_
             backend.init_forward_metadata(fb)
         meta_us = (time.perf_counter() - t0) / steps * 1e6
         calls.clear()
+        sync()
         t0 = time.perf_counter()
         for _ in range(layers):
             layer(q, k, v, fb)
         layer_us = (time.perf_counter() - t0) / layers * 1e6
+        sync()
     return {"metadata": meta_us, "layer": layer_us, "calls": dict(calls)}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    layers = int(argv[0]) if argv else 400
-    r = adapter_host_time(layers)
-    print("SGLang 0.5.23 adapter, host time (CPU, null kernels; B=8 eager decode, 1k context, 16k-token rows):")
+    nums = [a for a in argv if not a.startswith("--")]
+    layers = int(nums[0]) if nums else 400
+    device, impl = ("cuda", "triton") if "--gpu" in argv else ("cpu", "null")
+    r = adapter_host_time(layers, device=device, impl=impl)
+    print(f"SGLang 0.5.23 adapter, host time ({device}, {impl} kernels; B=8 eager decode, 1k context, "
+          "16k-token rows):")
     print(f"  init_forward_metadata (once per step): {r['metadata']:8.1f} us")
     print(f"  one layer (RadixAttention forward: set_kv_buffer + attention): {r['layer']:8.1f} us   "
           f"calls per op: {r['calls']}")

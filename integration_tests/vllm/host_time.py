@@ -10,6 +10,7 @@ Real vLLM 0.33 objects (``attn_harness``): a decode step of B sequences of ``con
 work does not depend on them).
 
 Run: VLLM_TARGET_DEVICE=cpu python -m integration_tests.vllm.host_time [layers]
+     python -m integration_tests.vllm.host_time [layers] --gpu   (a GPU: the Triton kernels launched)
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ import torch
 
 
 def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_tokens: int = 131072,
-                      block_size: int = 16) -> dict:
-    """{"build": us per step, "layer": us per layer call, "calls": null-kernel calls per op} on CPU."""
+                      block_size: int = 16, device: str = "cpu", impl: str = "null") -> dict:
+    """{"build": us per step, "layer": us per layer call, "calls": null-kernel calls per op}. ``device="cuda"``
+    with ``impl="triton"``: the kernels are launched (queued, not awaited), as in a server's eager step."""
     from vllm.config import set_current_vllm_config
 
     import pa_backend.vllm as pav
@@ -36,18 +38,19 @@ def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_
     with tempfile.TemporaryDirectory() as tmp:
         vc = H.vllm_config(H.tiny_llama_dir(Path(tmp)), block_size=block_size)
         with set_current_vllm_config(vc):
-            builder = pav.FlyDSLAttentionMetadataBuilder(spec, names, vc, torch.device("cpu"))
+            builder = pav.FlyDSLAttentionMetadataBuilder(spec, names, vc, torch.device(device))
     per_seq = -(-context // block_size)
     b = H.Batch(prefix_lens=[context - 1] * B, query_lens=[1] * B, block_size=block_size,
                 num_blocks=B * per_seq + 1)
-    cam = H.common_metadata(b, H.block_rows(b, max_blocks=table_tokens // block_size))
-    kv = H.allocate(spec, b.num_blocks, names)[names[0]]
-    impl = H.make_impl(pa_impl="null")
-    layer = H.layer_with_scales(0.5, 0.25)
+    cam = H.common_metadata(b, H.block_rows(b, max_blocks=table_tokens // block_size), device=device)
+    kv = H.allocate(spec, b.num_blocks, names, device=device)[names[0]]
+    impl = H.make_impl(pa_impl=impl)
+    layer = H.layer_with_scales(0.5, 0.25, device=device)
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(B, H.HQ, H.D, generator=g).bfloat16()
-    k, v = (torch.randn(B, H.HKV, H.D, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(B, H.HQ, H.D, generator=g).bfloat16().to(device)
+    k, v = (torch.randn(B, H.HKV, H.D, generator=g).bfloat16().to(device) for _ in range(2))
     out = torch.empty_like(q)
+    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
 
     def step():  # vLLM's runner refills the same metadata buffers every step: the builder reuses its plan
         return builder.build(0, cam)
@@ -66,18 +69,22 @@ def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_
             md = step()
         build_us = (time.perf_counter() - t0) / max(layers // 10, 1) * 1e6
         calls.clear()
+        sync()
         t0 = time.perf_counter()
         for _ in range(layers):
             one_layer(md)
         layer_us = (time.perf_counter() - t0) / layers * 1e6
+        sync()
     return {"build": build_us, "layer": layer_us, "calls": dict(calls)}
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    layers = int(argv[0]) if argv else 400
-    r = adapter_host_time(layers)
-    print("vLLM 0.33 adapter, host time (CPU, null kernels; B=8 decode, 1k context, 128k-token tables):")
+    nums = [a for a in argv if not a.startswith("--")]
+    layers = int(nums[0]) if nums else 400
+    device, impl = ("cuda", "triton") if "--gpu" in argv else ("cpu", "null")
+    r = adapter_host_time(layers, device=device, impl=impl)
+    print(f"vLLM 0.33 adapter, host time ({device}, {impl} kernels; B=8 decode, 1k context, 128k-token tables):")
     print(f"  metadata builder (once per step): {r['build']:8.1f} us")
     print(f"  one layer (do_kv_cache_update + forward): {r['layer']:8.1f} us   calls per op: {r['calls']}")
     return 0
