@@ -7,7 +7,7 @@
 # into the x-packed K layout [b, h, d // 16, offset, d % 16] and either V layout. Block ids are
 # int64, and so are head offsets (caches > 2 GiB, in any order of their dimensions).
 #
-# Rounding: the value is first rounded to the FP8 grid in FP32 (3 mantissa bits, round half to
+# Rounding: the scale and x / scale are IEEE divisions (as torch's), then the value is rounded to the FP8 grid in FP32 (3 mantissa bits, round half to
 # even, subnormals below 2**MIN_EXP), so the final conversion is exact. That gives the same bytes
 # as torch's conversion on every backend, including Triton's CPU interpreter, whose own FP8
 # conversion mis-rounds when rounding carries into the exponent.
@@ -34,12 +34,14 @@ def _round_to_fp8_grid(x, FMAX: tl.constexpr, MIN_EXP: tl.constexpr):
 @triton.jit
 def _quantize_store(b_x, p_cache_tok, o_cache, p_scale_tok, live, FMAX: tl.constexpr, MIN_EXP: tl.constexpr,
                     PER_TOKEN: tl.constexpr):
+    # IEEE divisions (div_rn): Triton's `/` on fp32 is the approximate div.full.f32 on NVIDIA, which left
+    # per-token scales 1 ulp off the reference writer's on the H200 (benchmarks/NOTES.md, tenth session)
     if PER_TOKEN:
-        sc = tl.maximum(tl.max(tl.abs(b_x), 0) / FMAX, 1.1754943508222875e-38)
+        sc = tl.maximum(tl.math.div_rn(tl.max(tl.abs(b_x), 0), FMAX), 1.1754943508222875e-38)
         tl.store(p_scale_tok, sc, mask=live)
     else:
         sc = tl.load(p_scale_tok)
-    b_q = _round_to_fp8_grid(b_x / sc, FMAX, MIN_EXP)
+    b_q = _round_to_fp8_grid(tl.math.div_rn(b_x, sc + tl.zeros_like(b_x)), FMAX, MIN_EXP)
     tl.store(p_cache_tok + o_cache, b_q.to(p_cache_tok.dtype.element_ty), mask=live)
 
 
