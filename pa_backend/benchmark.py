@@ -4,8 +4,8 @@ Every case uses block tables as wide as a server's (``table_tokens``, default 12
 context when longer): the columns past each sequence's context hold garbage block ids, as stale
 entries in a real server's tables do. Each row states its table width. Decode is timed by CUDA-graph
 replay of a shape-only plan (``plan_decode``; what a server captures) and eagerly; prefill by graph
-replay of a planned batch bounded by its longest context (``max_context``, as both adapters plan it). ``exact`` rows repeat two cases with exact-width tables, so the cost of
-the width shows directly. ``host`` rows give the host time of one layer's call: ``plan.run`` (what
+replay of a planned batch bounded by its longest context (``max_context``, as both adapters plan it).
+``exact`` rows repeat two cases with exact-width tables, so the cost of the width shows directly. ``host`` rows give the host time of one layer's call: ``plan.run`` (what
 the adapters call per layer) against the eager op (validation, selection and planning per call).
 
 Caches are built on the device (random FP8 bytes drawn from a normal, random block permutation),
@@ -18,7 +18,6 @@ dequantize to the query dtype and call ``torch.nn.functional.scaled_dot_product_
 from __future__ import annotations
 
 import contextlib
-
 from typing import Dict, List, Sequence, Tuple
 
 import torch

@@ -7,8 +7,9 @@
 # into the x-packed K layout [b, h, d // 16, offset, d % 16] and either V layout. Block ids are
 # int64, and so are head offsets (caches > 2 GiB, in any order of their dimensions).
 #
-# Rounding: the scale and x / scale are IEEE divisions (as torch's), then the value is rounded to the FP8 grid in FP32 (3 mantissa bits, round half to
-# even, subnormals below 2**MIN_EXP), so the final conversion is exact. That gives the same bytes
+# Rounding: the scale and x / scale are IEEE divisions (as torch's), then the value is rounded to the
+# FP8 grid in FP32 (3 mantissa bits, round half to even, subnormals below 2**MIN_EXP), so the final
+# conversion is exact. That gives the same bytes
 # as torch's conversion on every backend, including Triton's CPU interpreter, whose own FP8
 # conversion mis-rounds when rounding carries into the exponent.
 
