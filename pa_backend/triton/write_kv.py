@@ -9,9 +9,9 @@
 #
 # Rounding: the scale and x / scale are IEEE divisions (as torch's), then the value is rounded to the
 # FP8 grid in FP32 (3 mantissa bits, round half to even, subnormals below 2**MIN_EXP), so the final
-# conversion is exact. That gives the same bytes
-# as torch's conversion on every backend, including Triton's CPU interpreter, whose own FP8
-# conversion mis-rounds when rounding carries into the exponent.
+# conversion is exact. That gives the same bytes as torch's conversion on every backend, including
+# Triton's CPU interpreter, whose own FP8 conversion mis-rounds when rounding carries into the exponent.
+# (Triton's fp32 `/` is the approximate div.full.f32 on NVIDIA: an ulp off torch's now and then.)
 
 import triton
 import triton.language as tl
