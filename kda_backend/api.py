@@ -81,7 +81,8 @@ def kda_decode(x, conv_weight, conv_state, a, b, A_log, dt_bias, state, state_in
     * ``out`` [B, H, V] bf16, any disjoint row layout with unit stride along V, filled in place
       and returned; allocated when None.
 
-    Live rows must use distinct slots (``FLYDSL_BACKENDS_KDA_SLOT_CHECK=1`` checks it, with a host sync).
+    Live rows must use distinct slots: two rows on one slot race on a GPU (the last writer wins; the
+    reference applies them in row order). ``FLYDSL_BACKENDS_KDA_SLOT_CHECK=1`` checks it, with a host sync.
     Bad input raises ValueError/TypeError naming the argument before anything is written.
     No host synchronization and a shape-fixed grid: safe inside CUDA-graph capture.
     """
