@@ -16,10 +16,9 @@ Run: PYTHONPATH=integration_tests/stubs:. python -m integration_tests.sglang.hos
 
 from __future__ import annotations
 
-import sys
-import time
-
 import torch
+
+from integration_tests.host_timing import parse, time_step_and_layers
 
 
 def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_tokens: int = 16384,
@@ -36,32 +35,16 @@ def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_
     g = torch.Generator().manual_seed(0)
     q = torch.randn(B, case.num_heads * case.head_dim, generator=g).bfloat16().to(device)
     k, v = (torch.randn(B, case.num_kv_heads * case.head_dim, generator=g).bfloat16().to(device) for _ in range(2))
-    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
     layer, fb, backend = side.layers[0], side.forward_batch, side.backend
-    steps = max(layers // 10, 1)
     with null_kernels() as calls, torch.no_grad(), forward_context(ForwardContext(attn_backend=backend)):
-        for _ in range(10):
-            backend.init_forward_metadata(fb)
-            layer(q, k, v, fb)
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            backend.init_forward_metadata(fb)
-        meta_us = (time.perf_counter() - t0) / steps * 1e6
-        calls.clear()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(layers):
-            layer(q, k, v, fb)
-        layer_us = (time.perf_counter() - t0) / layers * 1e6
-        sync()
+        meta_us, layer_us = time_step_and_layers(lambda: backend.init_forward_metadata(fb),
+                                                 lambda _: layer(q, k, v, fb), layers, device,
+                                                 before_layers=calls.clear)
     return {"metadata": meta_us, "layer": layer_us, "calls": dict(calls)}
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    nums = [a for a in argv if not a.startswith("--")]
-    layers = int(nums[0]) if nums else 400
-    device, impl = ("cuda", "triton") if "--gpu" in argv else ("cpu", "null")
+    layers, device, impl = parse(argv)
     r = adapter_host_time(layers, device=device, impl=impl)
     print(f"SGLang 0.5.23 adapter, host time ({device}, {impl} kernels; B=8 eager decode, 1k context, "
           "16k-token rows):")

@@ -15,18 +15,19 @@ Run: VLLM_TARGET_DEVICE=cpu python -m integration_tests.vllm.host_time [layers]
 
 from __future__ import annotations
 
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
+from integration_tests.host_timing import parse, time_step_and_layers
+
 
 def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_tokens: int = 131072,
                       block_size: int = 16, device: str = "cpu", impl: str = "null") -> dict:
-    """{"build": us per step, "layer": us per layer call, "calls": null-kernel calls per op}. ``device="cuda"``
-    with ``impl="triton"``: the kernels are launched (queued, not awaited), as in a server's eager step."""
+    """{"build": us per step, "layer": us per layer call, "calls": null-kernel calls per op in the timed layer
+    calls}. ``device="cuda"`` with ``impl="triton"``: the kernels are launched (queued, not awaited), as in a
+    server's eager step."""
     from vllm.config import set_current_vllm_config
 
     import pa_backend.vllm as pav
@@ -50,39 +51,20 @@ def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_
     q = torch.randn(B, H.HQ, H.D, generator=g).bfloat16().to(device)
     k, v = (torch.randn(B, H.HKV, H.D, generator=g).bfloat16().to(device) for _ in range(2))
     out = torch.empty_like(q)
-    sync = torch.cuda.synchronize if device != "cpu" else (lambda: None)
-
-    def step():  # vLLM's runner refills the same metadata buffers every step: the builder reuses its plan
-        return builder.build(0, cam)
 
     def one_layer(md):
         impl.do_kv_cache_update(layer, k, v, kv, cam.slot_mapping)
         impl.forward(layer, q, k, v, kv, md, out)
 
     with null_kernels() as calls:
-        md = step()
-        for _ in range(10):
-            one_layer(md)
-            md = step()
-        t0 = time.perf_counter()
-        for _ in range(max(layers // 10, 1)):
-            md = step()
-        build_us = (time.perf_counter() - t0) / max(layers // 10, 1) * 1e6
-        calls.clear()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(layers):
-            one_layer(md)
-        layer_us = (time.perf_counter() - t0) / layers * 1e6
-        sync()
+        # vLLM's runner refills the same metadata buffers every step: the builder reuses its plan
+        build_us, layer_us = time_step_and_layers(lambda: builder.build(0, cam), one_layer, layers, device,
+                                                  before_layers=calls.clear)
     return {"build": build_us, "layer": layer_us, "calls": dict(calls)}
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    nums = [a for a in argv if not a.startswith("--")]
-    layers = int(nums[0]) if nums else 400
-    device, impl = ("cuda", "triton") if "--gpu" in argv else ("cpu", "null")
+    layers, device, impl = parse(argv)
     r = adapter_host_time(layers, device=device, impl=impl)
     print(f"vLLM 0.33 adapter, host time ({device}, {impl} kernels; B=8 decode, 1k context, 128k-token tables):")
     print(f"  metadata builder (once per step): {r['build']:8.1f} us")

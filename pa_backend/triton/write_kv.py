@@ -42,7 +42,7 @@ def _quantize_store(b_x, p_cache_tok, o_cache, p_scale_tok, live, FMAX: tl.const
         tl.store(p_scale_tok, sc, mask=live)
     else:
         sc = tl.load(p_scale_tok)
-    b_q = _round_to_fp8_grid(tl.math.div_rn(b_x, sc + tl.zeros_like(b_x)), FMAX, MIN_EXP)
+    b_q = _round_to_fp8_grid(tl.math.div_rn(b_x, tl.broadcast_to(sc, b_x.shape)), FMAX, MIN_EXP)
     tl.store(p_cache_tok + o_cache, b_q.to(p_cache_tok.dtype.element_ty), mask=live)
 
 
