@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify accuracy bench-kda bench-pa bench-pa-nreg<N>
+# One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify accuracy accuracy-kda accuracy-pa
+# bench-kda bench-pa bench-pa-nreg<N>
 # sweep-pa e2e-vllm
 # e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang spec-sglang kimi-sglang
 # probe-warps probe-grid probe-tail probe-short probe-short-vllm profile-vllm host-vllm host-sglang
@@ -99,6 +100,10 @@ for step in $steps; do
     tests-pa) cmd=(python3 -m pytest -q ${PA_TESTS:-pa_backend} -p no:cacheprovider -rf) ;;
     verify) cmd=(python3 -m flydsl_backends verify) ;;
     accuracy) cmd=(python3 -m flydsl_backends accuracy) ;;
+    # one family per step, each under its own STEP_TIMEOUT (the PA part's float64 reference takes ~1 min on the
+    # H200 at 2000 steps; ACCURACY_STEPS overrides the count)
+    accuracy-kda|accuracy-pa) cmd=(python3 -m flydsl_backends accuracy --op "${step#accuracy-}"
+                                   ${ACCURACY_STEPS:+--steps "$ACCURACY_STEPS"}) ;;
     bench-kda|bench-pa) cmd=(python3 -m flydsl_backends bench "${step#bench-}" --out "$out/${step#bench-}_bench.csv") ;;
     # the paged decode with the one-warp program's register cap lowered (benchmarks/NOTES.md, ninth session);
     # no gather + SDPA baseline (the cap does not change it: bench-pa times it)
