@@ -71,6 +71,11 @@ def check_server_args(cfg, is_mla: bool) -> None:
             f"layout only flydsl reads (x-packed K, per-page V), which {other} would misread; use flydsl for both "
             "(--attention-backend flydsl)")
     _check_kv_transfers(cfg)
+    if getattr(cfg, "enable_pdmux", False):
+        raise ValueError(
+            "--enable-pdmux with --attention-backend flydsl: PD multiplexing runs a prefill and a decode batch at the "
+            "same time on two streams, and flydsl's split-K workspace and task queue are one per GPU (two batches in "
+            "flight would overwrite each other's partial results); drop --enable-pdmux")
     kv = str(cfg.kv_cache_dtype or "auto")
     if kv not in FP8_KV_DTYPES:
         raise ValueError(

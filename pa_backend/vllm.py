@@ -182,6 +182,12 @@ def _build_backend_class():
             return False  # the pages are the docs/design.md §4 layout, not what connectors expect
 
         @classmethod
+        def supports_device_cpu_query_lens_mismatch(cls) -> bool:
+            # the builder plans from query_start_loc_cpu (decode rows per request, prefill work items):
+            # adaptive verification's drafts trimmed on the device would not match the plan
+            return False
+
+        @classmethod
         def customize_spec(cls, spec):
             """Two head slots per block (K page, V page) of ``Hkv * D`` bytes per token."""
             from dataclasses import replace
@@ -350,17 +356,20 @@ def _build_impl_class():
             self._views = {}
 
         def process_weights_after_loading(self, act_dtype):
-            self._sinks_f32 = None
-            self._sinks()  # the fp32 copy of the loaded sinks, made before any graph capture
+            self._sinks()  # the fp32 buffer, made before any graph capture (a reload refills the same one)
 
         def _sinks(self):
+            """The sinks in fp32, read from the live parameter at every call: vLLM keeps them in the model
+            dtype and may update the parameter in place (weight sync) or reload it; the fp32 buffer keeps one
+            address (a captured graph re-runs the copy, so a replay reads the current values)."""
             if self.sinks is None:
                 return None
             if self.sinks.dtype == torch.float32:
                 return self.sinks
-            if self._sinks_f32 is None or self._sinks_f32.device != self.sinks.device:
-                self._sinks_f32 = self.sinks.detach().float()
-            return self._sinks_f32
+            buf = self._sinks_f32
+            if buf is None or buf.device != self.sinks.device or buf.shape != self.sinks.shape:
+                buf = self._sinks_f32 = torch.empty(self.sinks.shape, dtype=torch.float32, device=self.sinks.device)
+            return buf.copy_(self.sinks.detach())
 
         def _caches(self, kv_cache):
             key = (kv_cache.data_ptr(), tuple(kv_cache.shape), tuple(kv_cache.stride()))

@@ -89,6 +89,10 @@ def _cases(m):
                                 "--hicache-storage-backend file"),
         "gqa_kv_canary": (["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--page-size", "16",
                            "--kv-canary", "log"], "use --kv-canary none"),
+        # two batches in flight on two streams would share the per-GPU split-K workspace
+        "gqa_pdmux": (["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--page-size", "16",
+                       "--enable-pdmux", "--chunked-prefill-size", "-1", "--disable-overlap-schedule"],
+                      "drop --enable-pdmux"),
         "gqa_page128": (["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--page-size", "128"], None),
         "gqa_bf16_kv": (["--model-path", llama, "--attention-backend", "flydsl", "--page-size", "16"],
                         "--kv-cache-dtype fp8_e4m3"),

@@ -141,6 +141,46 @@ def test_sliding_window_and_sinks_match_sdpa(model_dir):
                                 sinks=sinks.bfloat16().float())
         torch.testing.assert_close(out.float(), want, atol=ATOL, rtol=RTOL)
 
+def test_sinks_follow_the_live_parameter(model_dir):
+    """vLLM keeps the sinks as a model-dtype parameter and may change it in place (a weight sync) or
+    reload it: the next forward uses the new values, through one fp32 buffer whose address a captured
+    graph can keep."""
+    bs = 16
+    spec = H.backend_spec(block_size=bs)
+    builder, _ = _builder(model_dir, spec)
+    g = torch.Generator().manual_seed(3)
+    sinks = torch.nn.Parameter(torch.randn(H.HQ, generator=g).bfloat16(), requires_grad=False)
+    b = H.Batch(prefix_lens=(40, 9), query_lens=(1, 1), block_size=bs, num_blocks=24, seed=1)
+    rows = H.block_rows(b, max_blocks=6)
+    cam = H.common_metadata(b, rows)
+    md = builder.build(0, cam)
+    k_all, v_all = H.random_kv(b, g)
+    impl, layer = H.make_impl(sinks=sinks), H.layer_with_scales()
+    impl.process_weights_after_loading(torch.bfloat16)
+    kv = H.allocate(spec, b.num_blocks, LAYERS[:1])[LAYERS[0]]
+    H.write_prefix(impl, layer, kv, b, rows, k_all, v_all)
+    k_new, v_new = H.new_tokens(b, k_all, v_all)
+    impl.do_kv_cache_update(layer, k_new, v_new, kv, cam.slot_mapping)
+    q = torch.randn(2, H.HQ, H.D, generator=g).bfloat16()
+
+    def check():
+        out = torch.full_like(q, float("nan"))
+        impl.forward(layer, q, k_new, v_new, kv, md, out)
+        want = H.sdpa_reference(q, k_all, v_all, b, H.D ** -0.5, sinks=sinks.detach().float())
+        torch.testing.assert_close(out.float(), want, atol=ATOL, rtol=RTOL)
+
+    check()
+    address = impl._sinks_f32.data_ptr()
+    with torch.no_grad():
+        sinks.copy_(torch.full_like(sinks, 5.0))  # large sinks: most of each row's weight goes to the sink
+    check()
+    impl.process_weights_after_loading(torch.bfloat16)  # a reload
+    with torch.no_grad():
+        sinks.copy_(torch.randn(H.HQ, generator=g).bfloat16())
+    check()
+    assert impl._sinks_f32.data_ptr() == address
+
+
 def test_decode_plan_is_reused_across_steps_on_the_runner_buffers(model_dir):
     """The runner refills the same persistent buffers every step: the builder makes one decode plan per
     (requests, context bound) and reuses it (the kernels read tables and lengths on the device), so a
