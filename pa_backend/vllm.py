@@ -247,9 +247,11 @@ def _build_builder_class():
                 from .planner import reserve
 
                 mc, pc = vllm_config.model_config, vllm_config.parallel_config
+                bs = int(kv_cache_spec.block_size)
+                # the runner's tables are ceil(max_model_len / block) pages wide: size for all their tokens
                 reserve(int(vllm_config.scheduler_config.max_num_seqs), int(mc.get_num_attention_heads(pc)),
-                        int(mc.get_num_kv_heads(pc)), int(mc.get_head_size()), int(mc.max_model_len),
-                        int(kv_cache_spec.block_size),
+                        int(mc.get_num_kv_heads(pc)), int(mc.get_head_size()), -(-int(mc.max_model_len) // bs) * bs,
+                        bs,
                         query_length=min(_spec_query_length(vllm_config), _contract.MAX_QUERY_LENGTH),
                         device=torch.device(device))
             self._plans = {}  # decode plans of this builder's buffers (``_decode_plan``)
