@@ -97,8 +97,8 @@ def pa_decode(query, key_cache, value_cache, block_tables, context_lengths, key_
       the last ``sliding_window`` of them when > 0 (a window at least as wide as the table is none); a row
       with no token to attend (e.g. a padded sequence with context 0) gets zeros.
     * ``sinks`` [Hq] fp32: adds exp(sinks[h]) to head h's softmax denominator.
-    * ``softmax_scale`` defaults to D**-0.5. ``num_partitions`` (split-K) is a kernel hint; None
-      lets the planner choose.
+    * ``softmax_scale`` defaults to D**-0.5 (else a normal fp32 number). ``num_partitions`` (split-K) is a
+      kernel hint, at most 256 of them are used; None lets the planner choose.
     """
     p = prepare_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
                           context_lengths=context_lengths, key_scale=key_scale, value_scale=value_scale,

@@ -7,6 +7,7 @@ Validation reads no tensor data (no host sync); nothing is written before it pas
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -34,6 +35,8 @@ from .fp8 import FP8_DTYPES
 # the longest sequence a block table may describe: the kernels keep token positions in int32, and a
 # context, a window and a partition's length added together must not pass 2^31
 MAX_TABLE_TOKENS = 1 << 30
+# softmax_scale's range: a normal fp32 number (the kernels scale the logits in fp32)
+FP32_MIN_NORMAL, FP32_MAX = 2.0 ** -126, float.fromhex("0x1.fffffep+127")
 
 __all__ = ["PAProblem", "PABatch", "WriteProblem", "check_batch", "check_layer", "prepare_attention", "prepare_write",
            "BLOCK_SIZES", "HEAD_DIMS"]
@@ -326,6 +329,9 @@ def _check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, va
     softmax_scale = require_float(softmax_scale, "softmax_scale", positive=True, optional=True)
     if softmax_scale is None:
         softmax_scale = D ** -0.5
+    elif not FP32_MIN_NORMAL <= softmax_scale <= FP32_MAX:  # the kernels scale the logits in fp32
+        raise ValueError(f"softmax_scale: expected a normal fp32 number ({FP32_MIN_NORMAL:.3g} .. {FP32_MAX:.3g}), got "
+                         f"{softmax_scale!r}")
     if isinstance(sliding_window, bool) or not isinstance(sliding_window, int):
         raise TypeError(f"sliding_window: expected an int (0 = off), got {type(sliding_window).__name__}")
     if sliding_window < 0:
@@ -378,13 +384,23 @@ def prepare_attention(*, query, key_cache, value_cache, block_tables, context_le
                        num_partitions=num_partitions, out=out)
 
 
+def _offset(v) -> int:
+    """An integer offset (``operator.index``: Python and NumPy ints, integer 0-d tensors); TypeError for a
+    bool, a float or anything else (``int()`` would truncate or parse it)."""
+    if isinstance(v, bool):
+        raise TypeError
+    return operator.index(v)
+
+
 def check_query_start_loc(values: Sequence[int], num_seqs: int, num_rows: Optional[int]) -> Tuple[int, ...]:
     """Host-side check of prefill query offsets: ``num_seqs + 1`` ints, first >= 0, non-decreasing,
     last <= ``num_rows`` (the query's rows; None: checked later against the query). Returns them
     as a tuple of ints."""
     try:
-        qsl = tuple(int(v) for v in values)
-    except (TypeError, ValueError):
+        if isinstance(values, (str, bytes)):
+            raise TypeError
+        qsl = tuple(_offset(v) for v in values)
+    except TypeError:
         raise TypeError(f"query_start_loc: expected {num_seqs + 1} integers, got {values!r}") from None
     if len(qsl) != num_seqs + 1:
         raise ValueError(f"query_start_loc: expected {num_seqs + 1} offsets (num_seqs + 1), got {len(qsl)}")

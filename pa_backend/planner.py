@@ -67,8 +67,9 @@ def plan_partitions(num_items: int, Hkv: int, max_tokens: int, sms: int, request
     ``programs_per_sm`` or ``few_per_sm`` grows (``reserve`` relies on it)."""
     work = max(num_items * Hkv, 1)
     sms = max(sms, 1)
-    if requested:
-        return Split(max(1, min(requested, MAX_PARTITIONS)), requested, 1, 1)
+    if requested:  # at most MAX_PARTITIONS (a larger hint would also overflow the kernels' split arithmetic)
+        r = max(1, min(requested, MAX_PARTITIONS))
+        return Split(r, r, 1, 1)
     few = -(-few_per_sm * sms // work)
     target = -(-programs_per_sm * sms // work)
     target = min(target, max(-(-max_tokens // LONG_PARTITION_TOKENS), few))

@@ -120,6 +120,44 @@ def test_prefill_host_offsets_are_checked_too():
         prepare_attention(**c.kwargs, prefill=True, query_start_loc_host=[0, 5, 3, 8])
 
 
+@pytest.mark.parametrize("host", [[0, 2.9, 7.5, 8.0], "0278", [False, True, True, True], [0, 2, 7, float("inf")],
+                                  torch.tensor([0.0, 2.5, 7.2, 8.0])],
+                         ids=["floats", "string", "bools", "inf", "float-tensor"])
+def test_prefill_host_offsets_must_be_integers(host):
+    """Host offsets were converted with int(): floats truncated, a string parsed digit by digit."""
+    from pa_backend import plan_prefill
+
+    kw = case(query_lengths=[2, 5, 1]).kwargs
+    with pytest.raises(TypeError, match="query_start_loc: expected 4 integers"):
+        plan_prefill(kw["block_tables"], kw["query_start_loc"], kw["context_lengths"], query_start_loc_host=host)
+
+
+def test_prefill_host_offsets_accept_integer_types():
+    import numpy as np
+
+    from pa_backend import plan_prefill
+
+    kw = case(query_lengths=[2, 5, 1]).kwargs
+    for host in ([0, 2, 7, 8], np.array([0, 2, 7, 8]), torch.tensor([0, 2, 7, 8], dtype=torch.int32),
+                 [torch.tensor(v) for v in (0, 2, 7, 8)]):
+        plan = plan_prefill(kw["block_tables"], kw["query_start_loc"], kw["context_lengths"], query_start_loc_host=host)
+        assert plan.batch.query_start_loc_host == (0, 2, 7, 8)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("hint", [257, 2**40, 2**63, 2**64])
+def test_a_huge_num_partitions_hint_is_capped(impl, hint):
+    """A hint past 2^63 reached the kernel unclamped: its split arithmetic went unsigned and the program's
+    tile count wrapped (a kernel that never finishes); 2^64 raised an OverflowError in Triton's launcher."""
+    c = case(context_lengths=[5, 20])
+    kw = c.kwargs
+    before = snap(kw)
+    out = pa_decode(**dict(kw, out=None, num_partitions=hint), backend=impl)
+    want = pa_decode(**dict(kw, out=None), backend="torch")
+    torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+    assert same_bytes(kw, before)
+
+
 # --- 4. aliasing: outputs and written caches share no memory with any other argument --------------
 def _bf16_over(t: torch.Tensor, shape) -> torch.Tensor:
     """A contiguous bf16 tensor of ``shape`` laid over ``t``'s first bytes."""

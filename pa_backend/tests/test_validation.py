@@ -55,6 +55,9 @@ DECODE_MUTATIONS = [
     ("window-type", lambda kw: kw.update(sliding_window=2.5), TypeError, "sliding_window: expected an int"),
     ("sinks-shape", lambda kw: kw.update(sinks=torch.zeros(3)), ValueError, "sinks: expected shape [Hq]"),
     ("scale-neg", lambda kw: kw.update(softmax_scale=-0.1), ValueError, "softmax_scale: expected a positive number"),
+    # finite in float64 but not a normal fp32 number (the kernels scale the logits in fp32)
+    ("scale-fp32-overflow", lambda kw: kw.update(softmax_scale=1e39), ValueError, "softmax_scale: expected a normal fp32"),
+    ("scale-fp32-underflow", lambda kw: kw.update(softmax_scale=1e-50), ValueError, "softmax_scale: expected a normal fp32"),
     ("parts", lambda kw: kw.update(num_partitions=0), ValueError, "num_partitions: expected None or an int >= 1"),
     ("out-dtype", lambda kw: kw.update(out=kw["out"].float()), ValueError, "out: expected dtype bfloat16"),
     ("out-shape", lambda kw: kw.update(out=kw["out"][:1]), ValueError, "out: expected shape the query's shape"),
