@@ -26,9 +26,18 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
-__all__ = ["DeviceBuffers"]
+__all__ = ["DeviceBuffers", "indexed"]
 
 log = logging.getLogger("flydsl_backends")
+
+
+def indexed(device) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` is the current GPU (the kernels' tensors carry an index, and
+    ``cuda`` != ``cuda:0`` as a key)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def _capturing(device: torch.device) -> bool:
@@ -49,7 +58,7 @@ class DeviceBuffers:
 
     def get(self, device, sizes: Sequence[int], minimum: Sequence[int] = ()) -> Tuple[torch.Tensor, ...]:
         """The device's set, grown when any part is smaller than ``sizes`` (elements per part)."""
-        device = torch.device(device)
+        device = indexed(device)
         if len(sizes) != len(self.parts):
             raise ValueError(f"{self.name}: expected {len(self.parts)} sizes, got {len(sizes)}")
         with self._lock:
@@ -75,5 +84,5 @@ class DeviceBuffers:
             return cur
 
     def nbytes(self, device) -> int:
-        cur = self.buffers.get(torch.device(device))
+        cur = self.buffers.get(indexed(device))
         return 0 if cur is None else sum(t.numel() * t.element_size() for t in cur)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from backend_core.buffers import DeviceBuffers
+from backend_core.buffers import DeviceBuffers, indexed
 
 __all__ = ["Split", "plan_partitions", "work_rows", "workspace", "task_queue", "QUEUE_SM_SLOTS", "reserve",
            "workspace_bytes"]
@@ -132,7 +132,7 @@ def reserve(max_num_seqs: int, Hq: int, Hkv: int, D: int, max_context: int, bloc
             raise ValueError(f"{name}: expected a positive int, got {v!r}")
     if Hq % Hkv:
         raise ValueError(f"Hq: expected a multiple of Hkv={Hkv}, got {Hq}")
-    device = torch.device(device)
+    device = indexed(device)  # a bare "cuda" is the current GPU, the key the kernels' calls use
     sms = sms or platform.sm_count(device)
     BM = work_rows(Hq // Hkv, query_length)
     # the largest request over batch sizes: fewer sequences get more partitions each

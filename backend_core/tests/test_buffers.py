@@ -40,3 +40,27 @@ def test_buffers_are_normal_tensors_under_inference_mode():
 def test_wrong_number_of_sizes_is_a_value_error():
     with pytest.raises(ValueError, match="expected 2 sizes, got 1"):
         DeviceBuffers("x", [(torch.int32, False), (torch.bool, False)]).get("cpu", (3,))
+
+
+def test_a_bare_cuda_device_is_keyed_as_the_current_gpu(monkeypatch):
+    """reserve(device="cuda") kept its buffers under "cuda", while the kernels' calls look up "cuda:N":
+    the reserved set was never used and the first call inside a graph capture had to grow it."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(buffers, "_capturing", lambda device: False)  # no CUDA runtime here
+    assert buffers.indexed("cuda") == torch.device("cuda", 1)
+    assert buffers.indexed(torch.device("cuda", 0)) == torch.device("cuda", 0)
+    assert buffers.indexed("cpu") == torch.device("cpu")
+    b = DeviceBuffers("ws", [(torch.float32, False)])
+    made = []
+
+    real_empty = torch.empty
+
+    def fake_empty(*size, dtype=None, device=None, **kw):
+        made.append(device)
+        return real_empty(*size, dtype=dtype, **kw)  # no GPU here: the tensor lives on the CPU
+
+    monkeypatch.setattr(torch, "empty", fake_empty)
+    (t,) = b.get("cuda", (4,))
+    assert made == [torch.device("cuda", 1)]
+    assert b.get(torch.device("cuda", 1), (4,))[0] is t  # the kernels' key finds the reserved set
+    assert b.nbytes("cuda") == b.nbytes("cuda:1") == 16
