@@ -67,6 +67,41 @@ def test_write_kv_strided_slot_mapping(impl, scales):
     assert not same_bytes(caches[0], before)  # the write did something
 
 
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("scales", ["tensor", "token"])
+def test_write_kv_non_finite_inputs_follow_the_reference(impl, scales):
+    """A NaN or inf in K/V: the Triton writer stored large finite values (the grid rounding's min / max, a
+    NaN-skipping per-token amax; +inf per token even came back as -384) where the reference stores NaN
+    (or saturates an inf under a per-tensor scale). The same NaN positions and finite bytes now."""
+    c = case(scales=scales)
+    kw = c.kwargs
+    free = [b for b in range(kw["key_cache"].shape[0]) if b not in c.used_blocks]
+    slots = torch.tensor([free[0] * 16 + 3, free[0] * 16 + 4, free[1] * 16 + 5], dtype=torch.int64, device=DEVICE)
+    g = torch.Generator().manual_seed(5)
+    key = torch.randn(3, 2, 64, generator=g).bfloat16()
+    value = torch.randn(3, 2, 64, generator=g).bfloat16()
+    key[0, 1, 5] = float("nan")
+    key[2, 0, 9] = -float("inf")
+    value[1, 0, 7] = float("inf")
+    key, value = key.to(DEVICE), value.to(DEVICE)
+    out = {}
+    for name in ("torch", impl):
+        kv = {k: kw[k].clone() for k in CACHE_ARGS}
+        write_kv(key, value, kv["key_cache"], kv["value_cache"], slots, kv["key_scale"], kv["value_scale"], backend=name)
+        out[name] = kv
+    for k in CACHE_ARGS:
+        a, b = out["torch"][k].float(), out[impl][k].float()
+        assert torch.equal(torch.isnan(a), torch.isnan(b)), k
+        assert torch.equal(a.nan_to_num(1e30), b.nan_to_num(1e30)), k
+    kc = out[impl]["key_cache"].float()
+    assert torch.isnan(kc[free[0], 1, 0, 3, 5])  # the NaN element is a NaN byte, under either scale
+    if scales == "token":  # the NaN token's scale is NaN, an inf token's scale is inf
+        assert torch.isnan(out[impl]["key_scale"][free[0], 1, 3])
+        assert torch.isinf(out[impl]["value_scale"][free[0], 0, 4])
+    else:  # an inf saturates
+        assert kc[free[1], 0, 0, 5, 9] == -torch.finfo(kw["key_cache"].dtype).max
+
+
 # --- 2. pa_decode / pa_prefill read context_lengths (and query_start_loc) through their strides ---
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("prefill", [False, True])
@@ -144,11 +179,20 @@ def test_prefill_host_offsets_accept_integer_types():
         assert plan.batch.query_start_loc_host == (0, 2, 7, 8)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("hint", [257, 2**40, 2**63, 2**64])
-def test_a_huge_num_partitions_hint_is_capped(impl, hint):
+def test_the_planner_caps_a_num_partitions_hint(hint):
+    from pa_backend.planner import MAX_PARTITIONS, plan_partitions
+
+    split = plan_partitions(2, 1, 4096, 132, hint)
+    assert split.P == split.few == MAX_PARTITIONS
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_huge_num_partitions_hint_is_capped(impl):
     """A hint past 2^63 reached the kernel unclamped: its split arithmetic went unsigned and the program's
-    tile count wrapped (a kernel that never finishes); 2^64 raised an OverflowError in Triton's launcher."""
+    tile count wrapped (a kernel that never finishes); 2^64 raised an OverflowError in Triton's launcher.
+    (One hint through the kernel: 256 partitions take ~18 s in the interpreter.)"""
+    hint = 2**63
     c = case(context_lengths=[5, 20])
     kw = c.kwargs
     before = snap(kw)

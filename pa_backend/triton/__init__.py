@@ -22,7 +22,7 @@ import torch
 
 from backend_core import platform
 from ..contract import PAProblem, WriteProblem
-from ..fp8 import fp8_max
+from ..fp8 import fp8_max, fp8_nan_byte
 from ..planner import (FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, QUEUE_SM_SLOTS, plan_partitions, task_queue, work_rows,
                        workspace)
 
@@ -183,6 +183,7 @@ def _run_write(p: WriteProblem) -> None:
         ks.stride(0) if c.k_per_token else 0, ks.stride(1) if c.k_per_token else 0,
         vs.stride(0) if c.v_per_token else 0, vs.stride(1) if c.v_per_token else 0,
         D=c.D, BS=c.block_size, FMAX=fp8_max(kc.dtype), MIN_EXP=-7 if kc.dtype == torch.float8_e4m3fnuz else -6,
+        NAN_BYTE=fp8_nan_byte(kc.dtype),
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, num_warps=1 if c.D <= 128 else 2,
     )
     return None

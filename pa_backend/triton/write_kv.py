@@ -12,6 +12,9 @@
 # conversion is exact. That gives the same bytes as torch's conversion on every backend, including
 # Triton's CPU interpreter, whose own FP8 conversion mis-rounds when rounding carries into the exponent.
 # (Triton's fp32 `/` is the approximate div.full.f32 on NVIDIA: an ulp off torch's now and then.)
+# Non-finite inputs follow the reference too: a NaN is stored as an FP8 NaN (per-token: the token's scale
+# is NaN), an inf saturates to +-fp8_max under a per-tensor scale and makes a per-token scale inf (the
+# element itself inf / inf = NaN, the token's finite elements 0).
 
 import triton
 import triton.language as tl
@@ -34,16 +37,22 @@ def _round_to_fp8_grid(x, FMAX: tl.constexpr, MIN_EXP: tl.constexpr):
 
 @triton.jit
 def _quantize_store(b_x, p_cache_tok, o_cache, p_scale_tok, live, FMAX: tl.constexpr, MIN_EXP: tl.constexpr,
-                    PER_TOKEN: tl.constexpr):
+                    NAN_BYTE: tl.constexpr, PER_TOKEN: tl.constexpr):
     # IEEE divisions (div_rn): Triton's `/` on fp32 is the approximate div.full.f32 on NVIDIA, which left
     # per-token scales 1 ulp off the reference writer's on the H200 (benchmarks/NOTES.md, tenth session)
     if PER_TOKEN:
         sc = tl.maximum(tl.math.div_rn(tl.max(tl.abs(b_x), 0), FMAX), 1.1754943508222875e-38)
+        # a NaN in the token makes its scale NaN, as torch's amax does (tl.max / tl.maximum skip NaN)
+        sc = tl.where(tl.max((b_x != b_x).to(tl.int32), 0) > 0, float("nan"), sc)
         tl.store(p_scale_tok, sc, mask=live)
     else:
         sc = tl.load(p_scale_tok)
-    b_q = _round_to_fp8_grid(tl.math.div_rn(b_x, tl.broadcast_to(sc, b_x.shape)), FMAX, MIN_EXP)
-    tl.store(p_cache_tok + o_cache, b_q.to(p_cache_tok.dtype.element_ty), mask=live)
+    b_y = tl.math.div_rn(b_x, tl.broadcast_to(sc, b_x.shape))
+    b_q = _round_to_fp8_grid(b_y, FMAX, MIN_EXP).to(p_cache_tok.dtype.element_ty).to(tl.uint8, bitcast=True)
+    # NaN (a NaN input, a NaN scale, inf / inf) is stored as the format's NaN byte: the grid rounding's
+    # min / max would make it finite, and the interpreter's FP8 conversion has no NaN
+    b_q = tl.where(b_y != b_y, NAN_BYTE, b_q)
+    tl.store(p_cache_tok.to(tl.pointer_type(tl.uint8)) + o_cache, b_q, mask=live)
 
 
 @triton.jit
@@ -53,7 +62,8 @@ def write_kv_kernel(
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
     stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
-    D: tl.constexpr, BS: tl.constexpr, FMAX: tl.constexpr, MIN_EXP: tl.constexpr, V5D: tl.constexpr,
+    D: tl.constexpr, BS: tl.constexpr, FMAX: tl.constexpr, MIN_EXP: tl.constexpr, NAN_BYTE: tl.constexpr,
+    V5D: tl.constexpr,
     K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr,
 ):
     i_t = tl.program_id(0).to(tl.int64)
@@ -79,5 +89,7 @@ def write_kv_kernel(
         p_vs_tok = p_vs + b * stride_vs_b + i_h * stride_vs_h + off
     else:
         p_vs_tok = p_vs
-    _quantize_store(b_k, p_kc + b * stride_kc_b + i_h * stride_kc_h, o_kc, p_ks_tok, live, FMAX, MIN_EXP, K_PER_TOKEN)
-    _quantize_store(b_v, p_vc + b * stride_vc_b + i_h * stride_vc_h, o_vc, p_vs_tok, live, FMAX, MIN_EXP, V_PER_TOKEN)
+    _quantize_store(b_k, p_kc + b * stride_kc_b + i_h * stride_kc_h, o_kc, p_ks_tok, live, FMAX, MIN_EXP, NAN_BYTE,
+                    K_PER_TOKEN)
+    _quantize_store(b_v, p_vc + b * stride_vc_b + i_h * stride_vc_h, o_vc, p_vs_tok, live, FMAX, MIN_EXP, NAN_BYTE,
+                    V_PER_TOKEN)
