@@ -203,11 +203,15 @@ def prefill_chunks(qsl, rows_per_chunk: int):
     return items
 
 
-def _to_device(rows, device) -> torch.Tensor:
+def _to_device(rows, device):
+    """(device tensor, its pinned host source or None). The caller keeps the host source as long as the
+    device tensor: a copy recorded into a CUDA graph (a plan's first run inside a capture) reads that host
+    memory again at every replay, so it must not return to the pinned-memory cache."""
     t = torch.tensor(rows or [(0, 0, 0, 0)], dtype=torch.int32)
     if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)  # no host sync
-    return t.to(device)
+        t = t.pin_memory()
+        return t.to(device, non_blocking=True), t  # no host sync
+    return t.to(device), None
 
 
 class _Launch:
@@ -226,7 +230,7 @@ class _Launch:
             # start in the first wave instead of forming the tail
             rows = sorted(prefill_chunks(p.query_start_loc_host, self.QL), key=lambda r: r[3])
             self.items = len(rows)
-            self.chunks = _to_device(rows, p.device)
+            self.chunks, self._chunks_host = _to_device(rows, p.device)
             self.zero_rows = (p.query_start_loc_host[0], p.query_start_loc_host[-1])  # rows outside every sequence
         self.BM = work_rows(self.G, self.QL)
         if p.is_decode:
