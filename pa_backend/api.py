@@ -130,7 +130,10 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, key_scale, value_
     Token t goes to slot ``slot_mapping[t]`` = block * block_size + offset; a negative slot (-1,
     padding) or one past the cache is skipped. Per-tensor scales: stores clamp(x / scale) in FP8.
     Per-token scales ([num_blocks, Hkv, block_size]): the writer computes each (token, head)'s scale
-    amax(|x|) / fp8_max, stores it, and stores x / scale.
+    amax(|x|) / fp8_max, stores it, and stores x / scale. Non-finite values: a NaN is stored as the
+    format's NaN (with per-token scales the (token, head)'s scale is NaN too); an inf saturates to
+    +-fp8_max under a per-tensor scale and makes a per-token scale inf. Two tokens naming one slot in
+    one call race on the GPU (the caller's slots are distinct, as a server's are).
     """
     p = prepare_write(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
                       key_scale=key_scale, value_scale=value_scale)
