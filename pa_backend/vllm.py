@@ -370,7 +370,9 @@ def _build_impl_class():
                 return self.sinks
             buf = self._sinks_f32
             if buf is None or buf.device != self.sinks.device or buf.shape != self.sinks.shape:
-                buf = self._sinks_f32 = torch.empty(self.sinks.shape, dtype=torch.float32, device=self.sinks.device)
+                with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
+                    buf = self._sinks_f32 = torch.empty(self.sinks.shape, dtype=torch.float32,
+                                                        device=self.sinks.device)
             return buf.copy_(self.sinks.detach())
 
         def _caches(self, kv_cache):
