@@ -133,16 +133,17 @@ def hot_spill_count(cubin: Optional[bytes]) -> int:
     return sum(1 for a, ins in code if re.search(r"\b(STL|LDL)\b", ins) and depth(a) >= hot)
 
 
-def run_report_script(script: str, root: str, timeout: float = 900):
-    """Run ``script`` (Python that prints one JSON line last) in a fresh interpreter at ``root`` with
-    Triton's interpreter mode off (a test session may have it on, and compiling for a GPU target needs
-    it off); returns (the completed process, the parsed last line or None when it failed)."""
+def run_report_script(script: str, root: str, timeout: float = 900, args=()):
+    """Run ``script`` (Python that prints one JSON line last; ``args`` in its ``sys.argv[1:]``) in a fresh
+    interpreter at ``root`` with Triton's interpreter mode off (a test session may have it on, and compiling
+    for a GPU target needs it off); returns (the completed process, the parsed last line or None when it
+    failed)."""
     import json
     import sys
 
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", script], env=env, cwd=root, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, cwd=root, capture_output=True,
+                          text=True, timeout=timeout)
     if proc.returncode != 0:
         return proc, None
     return proc, json.loads(proc.stdout.strip().splitlines()[-1])

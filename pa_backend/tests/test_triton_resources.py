@@ -14,11 +14,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 pytestmark = pytest.mark.skipif(not platform.triton_available(), reason="triton not installed")
 
-SCRIPT = """
+# two halves, one subprocess each (so parallel test workers share the compiles)
+SCRIPTS = {"shipped": """
 import json
 from pa_backend.triton.resources import SHIPPED_CONFIGS, ptxas_report
 rows = [[list(c), ptxas_report(*c)] for c in SHIPPED_CONFIGS]
-rows += [[["grid", D, v5], ptxas_report(D=D, v5d=v5, per_token=v5, queue=False)] for D in (64, 128) for v5 in (0, 1)]
+print(json.dumps(rows))
+""", "variants": """
+import json
+from pa_backend.triton.resources import ptxas_report
+rows = [[["grid", D, v5], ptxas_report(D=D, v5d=v5, per_token=v5, queue=False)] for D in (64, 128) for v5 in (0, 1)]
 rows += [[["direct", D, m, v5], ptxas_report(D=D, M=m, v5d=v5, per_token=v5, direct=True, sinks=True)]
          for D in (64, 128, 256) for m in (16, 64) for v5 in (0, 1)]
 rows += [[["direct-prefill", D, m], ptxas_report(D=D, M=m, ragged=True, direct=True, sinks=True)]
@@ -28,11 +33,12 @@ rows += [[["prefill", D, m], ptxas_report(D=D, M=m, ragged=True)] for D, m in ((
 rows.append([["prefill-reduce"], ptxas_report(D=256, M=64, kernel="reduce", ragged=True)])
 rows += [[["write", D, v5], ptxas_report(D=D, v5d=v5, per_token=v5, kernel="write")] for D in (64, 256) for v5 in (0, 1)]
 print(json.dumps(rows))
-"""
+"""}
 
 
-def test_decode_kernels_compile_for_sm90_without_spills():
-    proc, rows = run_report_script(SCRIPT, ROOT)
+@pytest.mark.parametrize("part", sorted(SCRIPTS))
+def test_decode_kernels_compile_for_sm90_without_spills(part):
+    proc, rows = run_report_script(SCRIPTS[part], ROOT)
     assert rows is not None, proc.stderr[-3000:]
     from pa_backend.triton.resources import SPILL_ALLOWED
 
@@ -64,10 +70,10 @@ def test_batch_dependent_scalars_are_not_specialized():
 
 
 AMD_SCRIPT = """
-import json
+import json, sys
 from pa_backend.triton.resources import amdgcn_report
 rows = []
-for arch in ("gfx942", "gfx950"):
+for arch in sys.argv[1:]:
     for D, bs, m, v5 in ((128, 16, 16, 0), (64, 16, 16, 1), (128, 16, 64, 0), (256, 64, 16, 1), (256, 16, 16, 1),
                          (128, 128, 64, 1)):
         rows.append([[arch, D, bs, m, v5], amdgcn_report(arch, D=D, block_size=bs, M=m, v5d=bool(v5), per_token=bool(v5))])
@@ -81,7 +87,8 @@ print(json.dumps(rows))
 """
 
 
-def test_kernels_compile_for_amd_gfx942_and_gfx950():
+@pytest.mark.parametrize("arch", ["gfx942", "gfx950"])
+def test_kernels_compile_for_amd_gfx942_and_gfx950(arch):
     """What the launcher builds on MI300X (gfx942: e4m3fnuz caches) and MI355X (gfx950): every kernel compiles to
     a code object within the register file (VGPRs + AGPRs) and LDS, without scratch (``AMD_SCRATCH_ALLOWED``
     lists exceptions; none today). Compiled here only; nothing ran on AMD hardware."""
@@ -89,11 +96,11 @@ def test_kernels_compile_for_amd_gfx942_and_gfx950():
 
     if "amd" not in triton.backends.backends:
         pytest.skip("this Triton has no AMD backend")
-    proc, rows = run_report_script(AMD_SCRIPT, ROOT)
+    proc, rows = run_report_script(AMD_SCRIPT, ROOT, args=[arch])
     assert rows is not None, proc.stderr[-3000:]
     from pa_backend.triton.resources import AMD_SCRATCH_ALLOWED
 
-    assert len(rows) == 26
+    assert len(rows) == 13 and {r[0][0] for r in rows} == {arch}
     for config, rep in rows:
         print(config, rep)
         assert rep["hsaco_bytes"] > 0 and rep["vgprs"] > 0 and rep["vgprs"] + max(rep["agprs"], 0) <= 512, (config, rep)
