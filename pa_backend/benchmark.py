@@ -5,8 +5,9 @@ context when longer): the columns past each sequence's context hold garbage bloc
 entries in a real server's tables do. Each row states its table width. Decode is timed by CUDA-graph
 replay of a shape-only plan (``plan_decode``; what a server captures) and eagerly; prefill by graph
 replay of a planned batch bounded by its longest context (``max_context``, as both adapters plan it).
-``exact`` rows repeat two cases with exact-width tables, so the cost of the width shows directly. ``host`` rows give the host time of one layer's call: ``plan.run`` (what
-the adapters call per layer) against the eager op (validation, selection and planning per call).
+``exact`` rows repeat two cases with exact-width tables, so the cost of the width shows directly.
+``host`` rows give the host time of one layer's call: ``plan.run`` (what the adapters call per layer)
+against the eager op (validation, selection and planning per call).
 
 Caches are built on the device (random FP8 bytes drawn from a normal, random block permutation),
 so the 10 GB configurations start in seconds. Logical bytes = the K and V bytes of every context

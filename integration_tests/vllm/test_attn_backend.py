@@ -141,6 +141,7 @@ def test_sliding_window_and_sinks_match_sdpa(model_dir):
                                 sinks=sinks.bfloat16().float())
         torch.testing.assert_close(out.float(), want, atol=ATOL, rtol=RTOL)
 
+
 def test_sinks_follow_the_live_parameter(model_dir):
     """vLLM keeps the sinks as a model-dtype parameter and may change it in place (a weight sync) or
     reload it: the next forward uses the new values, through one fp32 buffer whose address a captured

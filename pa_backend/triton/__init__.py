@@ -167,6 +167,12 @@ def run(p):
     return _run_attention(p)
 
 
+def fp8_write_constants(dtype: torch.dtype) -> dict:
+    """write_kv_kernel's constexprs of the cache's FP8 format: its largest value, the exponent below which
+    its values are subnormal, and its NaN byte (e4m3fn: 448, -6, 0x7F; e4m3fnuz: 240, -7, 0x80)."""
+    return dict(FMAX=fp8_max(dtype), MIN_EXP=-7 if dtype == torch.float8_e4m3fnuz else -6, NAN_BYTE=fp8_nan_byte(dtype))
+
+
 def _run_write(p: WriteProblem) -> None:
     from .write_kv import write_kv_kernel  # imports triton
 
@@ -182,8 +188,7 @@ def _run_write(p: WriteProblem) -> None:
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
         ks.stride(0) if c.k_per_token else 0, ks.stride(1) if c.k_per_token else 0,
         vs.stride(0) if c.v_per_token else 0, vs.stride(1) if c.v_per_token else 0,
-        D=c.D, BS=c.block_size, FMAX=fp8_max(kc.dtype), MIN_EXP=-7 if kc.dtype == torch.float8_e4m3fnuz else -6,
-        NAN_BYTE=fp8_nan_byte(kc.dtype),
+        D=c.D, BS=c.block_size, **fp8_write_constants(kc.dtype),
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, num_warps=1 if c.D <= 128 else 2,
     )
     return None

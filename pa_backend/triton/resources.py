@@ -112,9 +112,13 @@ def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks
 
         maxnreg = register_cap(warps) if constexprs["QUEUE"] and amd is None else None
     elif kernel == "write":
-        fnuz = amd == "gfx942"  # _run_write's FP8 range: e4m3fnuz max 240, smallest exponent -7
-        constexprs = dict(D=D, BS=block_size, FMAX=240.0 if fnuz else 448.0, MIN_EXP=-7 if fnuz else -6,
-                          NAN_BYTE=0x80 if fnuz else 0x7F, V5D=v5d, K_PER_TOKEN=per_token, V_PER_TOKEN=per_token)
+        import torch
+
+        from . import fp8_write_constants
+
+        fp8 = torch.float8_e4m3fnuz if amd == "gfx942" else torch.float8_e4m3fn  # the cache format _run_write sees
+        constexprs = dict(D=D, BS=block_size, **fp8_write_constants(fp8), V5D=v5d, K_PER_TOKEN=per_token,
+                          V_PER_TOKEN=per_token)
         warps = 1 if D <= 128 else 2
         stages = 3
     else:
