@@ -177,36 +177,56 @@ def _baseline_fits(B: int, ctx: int, Hkv: int, D: int, ql: int, Hq: int) -> Tupl
     return True, ""
 
 
-def host_overhead(kw: Dict[str, object], layers: int = 200, backend: str = "triton") -> Dict[str, float]:
+def host_overhead(kw: Dict[str, object], layers: int = 200, backend: str = "triton",
+                  direct_launch: bool = True) -> Dict[str, float]:
     """Host microseconds of one layer's call, with the work queued but not waited for: ``plan.run``
-    (the plan made once, as the adapters do per batch) and the eager ``pa_decode`` (everything per
-    call). ``backend="null"`` times the host side only (an implementation that returns at once: how
-    the CPU run measures it)."""
+    (the plan made once, as the adapters do per batch), the eager ``pa_decode`` (everything per call)
+    and ``write_kv`` of the batch's new tokens (the adapters' other per-layer call). ``backend="null"``
+    times the host side only (an implementation that returns at once: how the CPU run measures it).
+    ``direct_launch=False`` launches the Triton kernels through Triton's own path
+    (``backend_core.launch``), for the before/after of the direct launch."""
     import time
 
-    from . import pa_decode, plan_decode
+    from backend_core import launch
+
+    from . import pa_decode, plan_decode, write_kv
 
     args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
     out = torch.empty_like(kw["query"])
     dev = kw["query"].device
+    T, Hkv, D = kw["query"].shape[0], kw["key_cache"].shape[1], kw["query"].shape[2]
+    new_k = torch.randn((T, Hkv, D), device=dev).to(kw["query"].dtype)
+    new_v = torch.randn((T, Hkv, D), device=dev).to(kw["query"].dtype)
+    bs = kw["key_cache"].shape[2] if kw["key_cache"].dim() == 4 else kw["key_cache"].shape[3]
+    # each sequence's last slot (its own block, no other sequence's)
+    last = (kw["context_lengths"].long() - 1).clamp(min=0)
+    blocks = kw["block_tables"].long().gather(1, (last // bs).unsqueeze(1)).squeeze(1)
+    slots = (blocks * bs + last % bs).repeat_interleave(T // last.numel())
     res = {}
-    with (null_kernels() if backend == "null" else contextlib.nullcontext()):
-        plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=int(kw["query_length"]))
-        for name, fn in (("plan.run", lambda: plan.run(**args, out=out, backend=backend)),
-                         ("pa_decode", lambda: pa_decode(**args, block_tables=kw["block_tables"],
-                                                         context_lengths=kw["context_lengths"],
-                                                         query_length=int(kw["query_length"]), out=out,
-                                                         backend=backend))):
-            for _ in range(5):
-                fn()
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-            t0 = time.perf_counter()
-            for _ in range(layers):
-                fn()
-            res[name] = (time.perf_counter() - t0) / layers * 1e6
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+    was = launch.enabled
+    launch.enabled = direct_launch
+    try:
+        with (null_kernels() if backend == "null" else contextlib.nullcontext()):
+            plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=int(kw["query_length"]))
+            for name, fn in (("plan.run", lambda: plan.run(**args, out=out, backend=backend)),
+                             ("pa_decode", lambda: pa_decode(**args, block_tables=kw["block_tables"],
+                                                             context_lengths=kw["context_lengths"],
+                                                             query_length=int(kw["query_length"]), out=out,
+                                                             backend=backend)),
+                             ("write_kv", lambda: write_kv(new_k, new_v, kw["key_cache"], kw["value_cache"], slots,
+                                                           kw["key_scale"], kw["value_scale"], backend=backend))):
+                for _ in range(5):
+                    fn()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                for _ in range(layers):
+                    fn()
+                res[name] = (time.perf_counter() - t0) / layers * 1e6
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+    finally:
+        launch.enabled = was
     return res
 
 
@@ -333,11 +353,15 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
     # host time of one layer's call (small batch: the GPU keeps up, the host is what is measured)
     kw = bench_case(8, 1024, 1, 32, 8, 128, 16, "tensor", dev, table_tokens=table_tokens)
     for impl in impls:
-        h = host_overhead(kw, backend=impl)
-        for name, us in h.items():
-            rows.append(dict(result_row(run, "pa_decode_host", f"{impl}:{name}", "B=8 ctx=1024 Hq=32 Hkv=8 per layer",
-                                        _point(us), 0, "host wall time per layer call, work queued not awaited")))
-        progress(f"  host per layer ({impl}): " + ", ".join(f"{k} {v:.1f} us" for k, v in h.items()))
+        # Triton kernels: with the direct launch (the default) and through Triton's own launch path
+        for direct in ((True, False) if impl == "triton" else (True,)):
+            h = host_overhead(kw, backend=impl, direct_launch=direct)
+            how = "" if direct else " (Triton's launch path)"
+            for name, us in h.items():
+                rows.append(dict(result_row(run, "pa_decode_host", f"{impl}:{name}{how}",
+                                            "B=8 ctx=1024 Hq=32 Hkv=8 per layer", _point(us), 0,
+                                            "host wall time per layer call, work queued not awaited")))
+            progress(f"  host per layer ({impl}{how}): " + ", ".join(f"{k} {v:.1f} us" for k, v in h.items()))
     return rows
 
 
@@ -356,7 +380,8 @@ def add_bench_args(parser) -> None:
                         help="pa: calls captured per CUDA graph (each graph row is one replay / this count; a "
                              "server's step captures every layer, so a larger count is closer to serving; default 2)")
     parser.add_argument("--host", action="store_true",
-                        help="pa: only the per-layer host time (plan.run vs the eager op); runs on CPU too")
+                        help="pa: only the per-layer host time (plan.run, the eager op, write_kv); runs on CPU too "
+                             "(null kernels; on a GPU also the Triton kernels)")
 
 
 def bench_cli(args):
@@ -365,11 +390,14 @@ def bench_cli(args):
     if args.host:
         dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         kw = bench_case(8, 1024, 1, 32, 8, 128, 16, "tensor", dev, table_tokens=args.table_tokens)
-        res = host_overhead(kw, layers=args.trials * 20, backend="null")
-        print(f"pa host time per layer call ({dev}, B=8, Hq=32, Hkv=8, table {args.table_tokens} tokens, "
-              "implementation = null):")
-        for k, v in res.items():
-            print(f"  {k:10s} {v:8.1f} us")
+        print(f"pa host time per layer call ({dev}, B=8, Hq=32, Hkv=8, table {args.table_tokens} tokens):")
+        # null: the host side alone (any machine); on a GPU also the Triton kernels launched, directly and
+        # through Triton's own launch path
+        runs = [("null", True)] + ([("triton", True), ("triton", False)] if dev.type == "cuda" else [])
+        for impl, direct in runs:
+            res = host_overhead(kw, layers=args.trials * 20, backend=impl, direct_launch=direct)
+            print(f"  {impl}" + ("" if direct else " (Triton's launch path)") + ": "
+                  + ", ".join(f"{k} {v:.1f} us" for k, v in res.items()))
         return 0
     return run_bench(impls=args.impl.split(","), trials=max(args.trials, 30), baseline=not args.no_baseline,
                      table_tokens=args.table_tokens, calls_per_graph=args.calls_per_graph)

@@ -14,6 +14,7 @@ from typing import Tuple
 import torch
 
 from backend_core import platform
+from backend_core.launch import launch
 from backend_core.buffers import DeviceBuffers
 from ..contract import KDAProblem
 
@@ -105,7 +106,8 @@ def run(p: KDAProblem) -> torch.Tensor:
         cnt, ows = WORKSPACE.get(p.device, p.B * p.H, p.V)
     else:
         cnt, ows = dummy, dummy
-    kda_decode_kernel[(nv, p.H, p.B)](
+    launch(
+        kda_decode_kernel, (nv, p.H, p.B),
         *p.kernel_tensors(), cnt, ows, *p.kernel_scalars(), *p.kernel_strides(),
         H=p.H, K=p.K, V=p.V, BV=bv, W=max(p.W, 2), R=max(p.R, 1), BR=cfg["BR"], RC=cfg["RC"],
         HAS_CONV=p.has_conv, HAS_BIAS=p.conv_bias is not None, HAS_FB=p.has_f_b, HAS_NORM=p.has_norm,

@@ -21,6 +21,7 @@ from typing import Tuple
 import torch
 
 from backend_core import platform
+from backend_core.launch import launch
 from ..contract import PAProblem, WriteProblem
 from ..fp8 import fp8_max, fp8_nan_byte
 from ..planner import (FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, QUEUE_SM_SLOTS, plan_partitions, task_queue, work_rows,
@@ -181,7 +182,8 @@ def _run_write(p: WriteProblem) -> None:
     if T == 0:
         return None
     kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
-    write_kv_kernel[(T, c.Hkv)](
+    launch(
+        write_kv_kernel, (T, c.Hkv),
         p.key, p.value, kc, vc, ks, vs, p.slot_mapping, c.num_blocks * c.block_size, p.slot_mapping.stride(0),
         p.key.stride(0), p.key.stride(1), p.value.stride(0), p.value.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
@@ -322,7 +324,8 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         if per_sm:
             L.grid = grid
     sinks = p.sinks if p.sinks is not None else ws_m  # any fp32 pointer when there are none
-    k = pa_decode_partition_kernel[grid](
+    k = launch(
+        pa_decode_partition_kernel, grid,
         p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc, sinks, p.out, L.queue,
         L.items, sp.P, L.sms, p.softmax_scale, p.sliding_window, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens,
         sp.long_tokens,
@@ -344,7 +347,8 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
     if L.direct:
         return p.out
     try:
-        pa_decode_reduce_kernel[(L.items, c.Hkv)](
+        launch(
+            pa_decode_reduce_kernel, (L.items, c.Hkv),
             ws_m, ws_l, ws_acc, sinks, p.out, p.context_lengths, chunks, L.queue,
             p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
             p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),

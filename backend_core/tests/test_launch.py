@@ -1,0 +1,189 @@
+"""backend_core.launch: a direct launch only where Triton would launch the same compiled kernel.
+
+On CPU the kernel and its launcher are stand-ins (no driver here); the key's soundness is checked against
+Triton's own specialization helper. The GPU test launches the paged decode both ways."""
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from backend_core import launch as L
+
+
+class _Param:
+    def __init__(self, name, default=None, constexpr=False):
+        import inspect
+
+        self.name = name
+        self.default = inspect.Parameter.empty if default is None else default
+        self.is_constexpr = constexpr
+
+
+class _Compiled:
+    function = "fn"
+    packed_metadata = "meta"
+
+    def __init__(self, log):
+        self.log = log
+
+    def run(self, *a):
+        self.log.append(("direct", a))
+
+
+class JITFunction:  # the name launch() takes for a compiled (not interpreted) Triton kernel
+    def __init__(self):
+        self.params = [_Param("x"), _Param("n"), _Param("s"), _Param("B", constexpr=True),
+                       _Param("F", default=7, constexpr=True)]
+        self.log = []
+        self.compiled = 0
+
+    def __getitem__(self, grid):
+        def go(*args, **kwargs):
+            self.log.append(("triton", grid, args, kwargs))
+            self.compiled += 1
+            return _Compiled(self.log)
+        return go
+
+
+@pytest.fixture
+def fake_runtime(monkeypatch):
+    class RT:
+        launch_enter_hook = None
+        launch_exit_hook = None
+
+    rt = RT()
+    monkeypatch.setattr(L, "_RUNTIME", (lambda: 0, lambda dev: 1234, rt))
+    monkeypatch.setattr(L, "enabled", True)
+    return rt
+
+
+def test_second_launch_of_a_kind_is_direct_with_addresses(fake_runtime):
+    fn = JITFunction()
+    x = torch.zeros(64)
+    k1 = L.launch(fn, (3, 2), x, 16, 0.5, B=4, num_warps=2)
+    assert fn.log[-1][0] == "triton" and L.kinds(fn) == 1
+    y = torch.zeros(64)  # another tensor of the same kind
+    k2 = L.launch(fn, (3, 2), y, 16, 0.5, B=4, num_warps=2)
+    assert k2 is k1
+    kind, a = fn.log[-1]
+    assert kind == "direct"
+    # grid, stream, function, metadata, no launch metadata or hooks, then every parameter in order
+    assert a[:9] == (3, 2, 1, 1234, "fn", "meta", None, None, None)
+    assert a[9:] == (y.data_ptr(), 16, 0.5, 4, 7)
+
+
+@pytest.mark.parametrize("change", ["alignment", "dtype", "int", "bool_for_int", "float_for_int", "option",
+                                    "constexpr", "default", "device"])
+def test_a_new_kind_goes_through_triton(fake_runtime, monkeypatch, change):
+    fn = JITFunction()
+    base = torch.zeros(64)
+    L.launch(fn, (1,), base, 16, 0.5, B=4, num_warps=2)
+    args, kw = [base, 16, 0.5], dict(B=4, num_warps=2)
+    if change == "alignment":
+        args[0] = base[1:]
+    elif change == "dtype":
+        args[0] = torch.zeros(64, dtype=torch.float16)
+    elif change == "int":
+        args[1] = 17
+    elif change == "bool_for_int":
+        kw["B"] = True
+        L.launch(fn, (1,), base, 16, 0.5, B=1, num_warps=2)
+    elif change == "float_for_int":
+        kw["B"] = 4.0
+    elif change == "option":
+        kw["num_warps"] = 4
+    elif change == "constexpr":
+        kw["B"] = 8
+    elif change == "default":
+        kw["F"] = 8
+    elif change == "device":
+        monkeypatch.setattr(L, "_RUNTIME", (lambda: 1, L._RUNTIME[1], L._RUNTIME[2]))
+    before = fn.compiled
+    L.launch(fn, (1,), *args, **kw)
+    assert fn.compiled == before + 1 and fn.log[-1][0] == "triton"
+
+
+def test_not_direct_with_hooks_missing_arguments_or_switched_off(fake_runtime, monkeypatch):
+    fn = JITFunction()
+    x = torch.zeros(64)
+    L.launch(fn, (1,), x, 16, 0.5, B=4)
+    fake_runtime.launch_enter_hook = lambda *a: None  # a profiler
+    L.launch(fn, (1,), x, 16, 0.5, B=4)
+    assert fn.log[-1][0] == "triton"
+    fake_runtime.launch_enter_hook = None
+    L.launch(fn, (1,), x, 16, B=4)  # s missing: Triton reports it
+    assert fn.log[-1][0] == "triton"
+    monkeypatch.setattr(L, "enabled", False)
+    L.launch(fn, (1,), x, 16, 0.5, B=4)
+    assert fn.log[-1][0] == "triton"
+    monkeypatch.setattr(L, "enabled", True)
+    L.launch(fn, (1,), x, 16, 0.5, B=4)
+    assert fn.log[-1][0] == "direct"
+
+
+def test_kinds_are_bounded(fake_runtime):
+    fn = JITFunction()
+    x = torch.zeros(64)
+    for n in range(L.MAX_KINDS + 10):
+        L.launch(fn, (1,), x, n, 0.5, B=4)
+    assert L.kinds(fn) == L.MAX_KINDS
+    L.launch(fn, (1,), x, L.MAX_KINDS + 9, 0.5, B=4)  # the newest kind is kept
+    assert fn.log[-1][0] == "direct"
+    L.launch(fn, (1,), x, 0, 0.5, B=4)  # the oldest was dropped
+    assert fn.log[-1][0] == "triton"
+
+
+def test_equal_keys_mean_equal_triton_specializations():
+    """Soundness of the key against Triton's own per-argument specialization (its C helper, which runs on
+    CPU): any two arguments that give the same key parts specialize alike."""
+    pytest.importorskip("triton")
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    def spec(a):
+        return native_specialize_impl(BaseBackend, a, False, True, True)
+
+    def key(a):
+        if isinstance(a, torch.Tensor):
+            return (a.dtype, not a.data_ptr() & 15)
+        return a if a.__class__ is int else (a.__class__, a)
+
+    rng = random.Random(0)
+    base = torch.zeros(256, dtype=torch.float32)
+    values = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31, 2**32, 2**63 - 16, 2**63, True, False, 0.5, 1.0,
+              None]
+    values += [rng.randrange(-2**40, 2**40) for _ in range(50)]
+    tensors = [base[i:] for i in range(0, 9)] + [torch.zeros(16, dtype=d) for d in
+                                                (torch.float16, torch.bfloat16, torch.int32, torch.float8_e4m3fn)]
+    items = values + tensors
+    for a, b in itertools.product(items, repeat=2):
+        if key(a) == key(b):
+            assert spec(a) == spec(b), (a, b)
+
+
+@pytest.mark.gpu
+def test_direct_launch_matches_triton_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA/ROCm GPU")
+    from pa_backend import plan_decode
+    from pa_backend.benchmark import bench_case
+
+    kw = bench_case(8, 1024, 1, 32, 8, 128, 16, "tensor", torch.device("cuda"), table_tokens=1 << 14)
+    args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+    plan = plan_decode(kw["block_tables"], kw["context_lengths"], backend="triton")
+    outs = []
+    for direct in (False, True, True):
+        L.enabled = direct
+        try:
+            out = torch.full_like(kw["query"], float("nan"))
+            plan.run(**args, out=out)
+            outs.append(out)
+        finally:
+            L.enabled = True
+    torch.cuda.synchronize()
+    from pa_backend.triton.pa_decode import pa_decode_partition_kernel
+
+    assert L.kinds(pa_decode_partition_kernel) >= 1  # the direct path was taken
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
