@@ -165,25 +165,40 @@ def test_equal_keys_mean_equal_triton_specializations():
 
 @pytest.mark.gpu
 def test_direct_launch_matches_triton_on_the_gpu():
+    """The paged decode (partition + reduce) and write_kv through Triton's launch, then twice through
+    launch() (the first registers the compiled kernels, the second launches them directly): the same
+    bytes."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA/ROCm GPU")
-    from pa_backend import plan_decode
+    from pa_backend import plan_decode, write_kv
     from pa_backend.benchmark import bench_case
 
     kw = bench_case(8, 1024, 1, 32, 8, 128, 16, "tensor", torch.device("cuda"), table_tokens=1 << 14)
     args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
     plan = plan_decode(kw["block_tables"], kw["context_lengths"], backend="triton")
-    outs = []
+    g = torch.Generator(device="cuda").manual_seed(1)
+    new = torch.randn((2, 8, 8, 128), generator=g, device="cuda").to(torch.bfloat16)
+    slots = torch.arange(8, device="cuda") * 16 + 3  # block i, offset 3: distinct slots
+    outs, caches = [], []
     for direct in (False, True, True):
         L.enabled = direct
         try:
             out = torch.full_like(kw["query"], float("nan"))
             plan.run(**args, out=out)
+            kc, vc = kw["key_cache"].clone(), kw["value_cache"].clone()
+            write_kv(new[0], new[1], kc, vc, slots, kw["key_scale"], kw["value_scale"], backend="triton")
             outs.append(out)
+            caches.append((kc.view(torch.uint8), vc.view(torch.uint8)))
         finally:
             L.enabled = True
     torch.cuda.synchronize()
-    from pa_backend.triton.pa_decode import pa_decode_partition_kernel
+    from pa_backend.triton.pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel
+    from pa_backend.triton.write_kv import write_kv_kernel
 
-    assert L.kinds(pa_decode_partition_kernel) >= 1  # the direct path was taken
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    for fn in (pa_decode_partition_kernel, pa_decode_reduce_kernel, write_kv_kernel):
+        assert L.kinds(fn) >= 1, fn  # the direct path was taken
+    assert not outs[0].isnan().any()
+    for i in (1, 2):
+        assert torch.equal(outs[0], outs[i])
+        assert torch.equal(caches[0][0], caches[i][0]) and torch.equal(caches[0][1], caches[i][1])
+    assert not torch.equal(caches[0][0], kw["key_cache"].view(torch.uint8))  # write_kv wrote
