@@ -12,18 +12,22 @@ of microseconds of host time per launch (benchmarks/NOTES.md: ``plan.run`` 87 us
 Triton (which compiles, or finds its compiled kernel); the ``CompiledKernel`` it returns is kept under a key
 that holds everything Triton specializes on, and later calls with an equal key launch it through the
 driver launcher directly, with the tensors passed as their addresses. The key is conservative: the
-current device, the options (``num_warps``, ...), and per argument a tensor's dtype and whether its address
-is 16-byte aligned, any other argument's type and exact value (Triton only tells integers apart by
-``== 1``, ``% 16 == 0`` and their range; a new value only costs one call through Triton). So a hit launches
-exactly the binary Triton would have picked.
+current device; the options (``num_warps``, ...) and the ones Triton adds at every call (the kernel's and
+``TRITON_DEBUG``'s debug flag, the instrumentation mode); per tensor its dtype, its address modulo 16, its
+device and, on AMD, the backend's own class of it (Triton marks storages within 2 GiB there, for 32-bit
+buffer offsets); every other argument's type and exact value, except the integers a kernel declares
+``do_not_specialize`` (a batch's sizes), keyed by their type (i32 / i64 / u64) as Triton does. So a hit
+launches exactly the binary Triton would have picked (``backend_core/tests/test_launch.py`` checks the key
+against Triton's own cache key, for NVIDIA's and AMD's specialization).
 
-Not taken (the call goes through Triton, as before): Triton's interpreter, a launch hook set
-(``triton.knobs.runtime.launch_enter_hook``: profilers), an argument missing, more than ``MAX_KINDS`` keys
-for one kernel (the oldest is dropped), and ``FLYDSL_BACKENDS_TRITON_DIRECT=0`` (read at import; the
-``enabled`` attribute switches it at run time, for A/B timings). Skipped on a hit: the driver's check that
-each address is device memory (this package's argument checks have placed every tensor on the call's GPU
-already) and Triton's check that a kernel's global constants are unchanged since it was compiled (this
-package's kernels read none that change).
+Not taken (the call goes through Triton, as before): Triton's interpreter; a launch hook installed
+(``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook`` not empty: profilers) or a kernel's
+``pre_run_hooks``; a global constant a kernel read changed since it was compiled (Triton raises); an argument
+missing, a tensor among the keyword arguments, or an argument of another kind; ``FLYDSL_BACKENDS_TRITON_DIRECT=0``
+(read at import; the ``enabled`` attribute switches it at run time, for A/B timings). At most ``MAX_KINDS``
+keys per kernel are kept (the least recently used is dropped). Skipped on a hit: the driver's check that
+each address is device memory (this package's argument checks have placed every tensor on the call's GPU,
+and a CPU tensor has its own key, whose first call Triton refuses).
 """
 
 from __future__ import annotations
@@ -42,12 +46,25 @@ MAX_KINDS = 64  # compiled-kernel keys kept per kernel
 _Tensor = torch.Tensor
 _SCALARS = frozenset((int, bool, float, str, type(None), torch.dtype))
 _dtype_of = operator.attrgetter("dtype")
+_device_of = operator.methodcaller("get_device")  # -1: CPU (Triton's launcher refuses a host address)
+
+
+def _int_class(v: int):
+    """What Triton tells apart of an integer argument it does not specialize (``do_not_specialize``): its
+    type. Out of range (Triton raises): the value itself, never equal to an in-range one's class."""
+    if -0x80000000 <= v <= 0x7FFFFFFF:
+        return 0  # i32
+    if -0x8000000000000000 <= v <= 0x7FFFFFFFFFFFFFFF:
+        return 1  # i64
+    if 0 <= v <= 0xFFFFFFFFFFFFFFFF:
+        return 2  # u64
+    return ("out of range", v)
 
 
 class _Site:
     """One @triton.jit kernel: its parameter order and defaults, and its compiled kernels by key."""
 
-    __slots__ = ("names", "name_set", "defaults", "kernels", "layouts")
+    __slots__ = ("names", "name_set", "defaults", "loose", "kernels", "layouts")
 
     def __init__(self, fn):
         import inspect
@@ -55,8 +72,12 @@ class _Site:
         self.names = tuple(p.name for p in fn.params)
         self.name_set = frozenset(self.names)
         self.defaults = {p.name: p.default for p in fn.params if p.default is not inspect.Parameter.empty}
+        # integer parameters Triton does not specialize on their value (a batch's sizes): keyed by type only,
+        # so a new batch size reuses the compiled kernel
+        self.loose = frozenset(i for i, p in enumerate(fn.params) if getattr(p, "do_not_specialize", False))
         self.kernels: "OrderedDict[tuple, object]" = OrderedDict()
-        self.layouts: dict = {}  # positional argument types -> (tensors getter, others getter, tensor positions)
+        # positional argument types -> (tensors getter, exact-value getter, integer-class getter, tensor positions)
+        self.layouts: dict = {}
 
 
 def _picker(idx):
@@ -69,26 +90,39 @@ def _picker(idx):
     return operator.itemgetter(*idx)
 
 
-def _layout(ptypes):
+def _layout(ptypes, loose):
     where = tuple(i for i, t in enumerate(ptypes) if issubclass(t, _Tensor))
-    others = tuple(i for i, t in enumerate(ptypes) if not issubclass(t, _Tensor))
+    others = [i for i, t in enumerate(ptypes) if not issubclass(t, _Tensor)]
     if not all(ptypes[i] in _SCALARS for i in others):
         return None
-    return _picker(where), _picker(others), where
+    classed = tuple(i for i in others if i in loose and ptypes[i] is int)
+    exact = tuple(i for i in others if i not in classed)
+    return _picker(where), _picker(exact), _picker(classed), where
 
 
 _SITES: dict = {}
-_RUNTIME = None  # (current device, current raw stream, knobs.runtime), set at the first direct launch
+_RUNTIME = None  # (current device, current raw stream, knobs.runtime, knobs.compilation, tensor spec), set once
+_MISSING = object()
+
+
+def _hooked(h):
+    """Triton 3.6's launch hooks are HookChain objects (knobs.py:468), never None: hooked when not empty."""
+    return h is not None and bool(getattr(h, "calls", True))
 
 
 def _runtime():
     global _RUNTIME
     if _RUNTIME is None:
         from triton import knobs
+        from triton.compiler.compiler import make_backend
         from triton.runtime.driver import driver
 
         d = driver.active
-        _RUNTIME = (d.get_current_device, d.get_current_stream, knobs.runtime)
+        be = make_backend(d.get_current_target())
+        # NVIDIA: dtype and address % 16 (specialize.cc handle_tensor); AMD: the backend's own rule, which
+        # adds 'S' for a storage within 2 GiB (amd/compiler.py get_tensor_specialization)
+        tspec = None if getattr(be, "supports_native_tensor_specialization", True) else be.get_tensor_specialization
+        _RUNTIME = (d.get_current_device, d.get_current_stream, knobs.runtime, knobs.compilation, tspec)
     return _RUNTIME
 
 
@@ -109,8 +143,8 @@ def launch(fn, grid, *args, **kwargs):
     site = _SITES.get(fn)
     if site is None:
         site = _SITES[fn] = _Site(fn)
-    current_device, current_stream, rt = _runtime()
-    if rt.launch_enter_hook is not None or rt.launch_exit_hook is not None:
+    current_device, current_stream, rt, comp, tspec = _runtime()
+    if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook) or fn.pre_run_hooks:
         return fn[grid](*args, **kwargs)
     names = site.names
     n = len(args)
@@ -133,19 +167,23 @@ def launch(fn, grid, *args, **kwargs):
     ptypes = tuple(map(type, args))
     layout = site.layouts.get(ptypes)
     if layout is None:
-        layout = _layout(ptypes)
+        layout = _layout(ptypes, site.loose)
         if layout is None:  # an argument that is neither a tensor nor a plain value: Triton says what it is
             return fn[grid](*args, **kwargs)
         site.layouts[ptypes] = layout
-    tensors_of, scalars_of, where = layout
+    tensors_of, exact_of, classed_of, where = layout
     tensors = tensors_of(args)
     ptrs = [t.data_ptr() for t in tensors]
     full = list(args)
     for i, ptr in zip(where, ptrs):
         full[i] = ptr
-    key = (tuple(map(_dtype_of, tensors)), tuple([ptr & 15 for ptr in ptrs]), scalars_of(args))
+    key = (tuple(map(_dtype_of, tensors)), tuple([ptr & 15 for ptr in ptrs]), tuple(map(_device_of, tensors)),
+           exact_of(args), tuple(map(_int_class, classed_of(args))))
+    if tspec is not None:
+        key += (tuple([tspec(t, align=True) for t in tensors]),)
     dev = current_device()
-    key = (dev, tuple(kwargs.items()), types, ptypes, key)
+    # the options JITFunction.run adds to every call (jit.py:696-697)
+    key = (dev, tuple(kwargs.items()), types, ptypes, key, fn.debug, rt.debug, comp.instrumentation_mode)
     try:
         k = site.kernels.get(key)
     except TypeError:  # an unhashable value: Triton's own path says what it makes of it
@@ -157,6 +195,13 @@ def launch(fn, grid, *args, **kwargs):
             if len(site.kernels) > MAX_KINDS:
                 site.kernels.popitem(last=False)
         return k
+    for (name, _), (val, globals_dict) in fn.used_global_vals.items():  # jit.py:724-729
+        if globals_dict.get(name, _MISSING) != val:
+            return fn[grid](*args, **kwargs)  # Triton raises its error
+    try:
+        site.kernels.move_to_end(key)  # the least recently used kind is the first dropped
+    except KeyError:  # dropped meanwhile by another thread: this launch is still right
+        pass
     g = len(grid)
     k.run(grid[0], grid[1] if g > 1 else 1, grid[2] if g > 2 else 1, current_stream(dev), k.function,
           k.packed_metadata, None, None, None, *full, *tail)

@@ -3,7 +3,6 @@
 On CPU the kernel and its launcher are stand-ins (no driver here); the key's soundness is checked against
 Triton's own specialization helper. The GPU test launches the paged decode both ways."""
 
-import itertools
 import random
 
 import pytest
@@ -38,6 +37,9 @@ class JITFunction:  # the name launch() takes for a compiled (not interpreted) T
                        _Param("F", default=7, constexpr=True)]
         self.log = []
         self.compiled = 0
+        self.debug = None
+        self.pre_run_hooks = []
+        self.used_global_vals = {}
 
     def __getitem__(self, grid):
         def go(*args, **kwargs):
@@ -52,9 +54,13 @@ def fake_runtime(monkeypatch):
     class RT:
         launch_enter_hook = None
         launch_exit_hook = None
+        debug = False
+
+    class Comp:
+        instrumentation_mode = ""
 
     rt = RT()
-    monkeypatch.setattr(L, "_RUNTIME", (lambda: 0, lambda dev: 1234, rt))
+    monkeypatch.setattr(L, "_RUNTIME", (lambda: 0, lambda dev: 1234, rt, Comp(), None))
     monkeypatch.setattr(L, "enabled", True)
     return rt
 
@@ -99,7 +105,7 @@ def test_a_new_kind_goes_through_triton(fake_runtime, monkeypatch, change):
     elif change == "default":
         kw["F"] = 8
     elif change == "device":
-        monkeypatch.setattr(L, "_RUNTIME", (lambda: 1, L._RUNTIME[1], L._RUNTIME[2]))
+        monkeypatch.setattr(L, "_RUNTIME", (lambda: 1, *L._RUNTIME[1:]))
     before = fn.compiled
     L.launch(fn, (1,), *args, **kw)
     assert fn.compiled == before + 1 and fn.log[-1][0] == "triton"
@@ -135,32 +141,96 @@ def test_kinds_are_bounded(fake_runtime):
     assert fn.log[-1][0] == "triton"
 
 
-def test_equal_keys_mean_equal_triton_specializations():
-    """Soundness of the key against Triton's own per-argument specialization (its C helper, which runs on
-    CPU): any two arguments that give the same key parts specialize alike."""
+def _oracle_kernel():
+    """A JITFunction made explicitly (the tests run with TRITON_INTERPRET=1, under which @triton.jit gives the
+    interpreter's function): pointers, an unspecialized integer, a specialized one, a float, constexprs with a
+    default."""
+    import triton.language as tl
+    from triton.runtime.jit import JITFunction
+
+    def k(p_x, p_y, p_opt, n, stride, scale, B: tl.constexpr, F: tl.constexpr = 7):
+        tl.store(p_y + n * stride, tl.load(p_x) * scale + B + F)
+
+    return JITFunction(k, do_not_specialize=("n",))
+
+
+def _triton_key(fn, binder, args, kwargs):
+    """Triton 3.6's own cache key of a call (what JITFunction.run computes before its cache lookup)."""
+    from triton import knobs
+    from triton.runtime.jit import compute_cache_key
+
+    kwargs = dict(kwargs)
+    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
+    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+    _, spec, opts = binder(*args, **kwargs)
+    return compute_cache_key({}, spec, opts)
+
+
+@pytest.mark.parametrize("vendor", ["nvidia", "amd"])
+def test_a_direct_launch_is_the_kernel_triton_would_pick(monkeypatch, vendor):
+    """launch()'s own key against Triton's cache key, with Triton's real binder, knobs (empty hook chains)
+    and each vendor's tensor specialization (AMD's marks storages within 2 GiB): every direct launch runs
+    the kernel that Triton's key for that call names."""
     pytest.importorskip("triton")
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
+    from triton import knobs
+    from triton.runtime.jit import create_function_from_signature
 
-    def spec(a):
-        return native_specialize_impl(BaseBackend, a, False, True, True)
+    if vendor == "nvidia":
+        from triton.backends.nvidia.compiler import CUDABackend as backend
+    else:
+        from triton.backends.amd.compiler import HIPBackend as backend
+    fn = _oracle_kernel()
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    state = {"bad": 0, "direct": 0}
 
-    def key(a):
-        if isinstance(a, torch.Tensor):
-            return (a.dtype, not a.data_ptr() & 15)
-        return a if a.__class__ is int else (a.__class__, a)
+    class Compiled:
+        function, packed_metadata = "f", "m"
 
+        def __init__(self, key):
+            self.key = key
+
+        def run(self, *a):
+            state["direct"] += 1
+            state["bad"] += self.key != state["expected"]
+
+    monkeypatch.setattr(fn, "run", lambda *a, grid, warmup, **kw: Compiled(_triton_key(fn, binder, a, kw)),
+                        raising=False)
+    tspec = None if backend.supports_native_tensor_specialization else backend.get_tensor_specialization
+    monkeypatch.setattr(L, "_RUNTIME", (lambda: 0, lambda d: 0, knobs.runtime, knobs.compilation, tspec))
+    monkeypatch.setattr(L, "enabled", True)
+    base = torch.zeros(1024)
+    big = torch.empty(2**29 + 64)  # a storage over 2 GiB (never touched): no 'S' on AMD
+    pool = [base, base[1:], big, big[1:], torch.zeros(64, dtype=torch.float16)]
     rng = random.Random(0)
-    base = torch.zeros(256, dtype=torch.float32)
-    values = [0, 1, 2, 15, 16, 17, 32, -1, -16, 2**31 - 16, 2**31, 2**32, 2**63 - 16, 2**63, True, False, 0.5, 1.0,
-              None]
-    values += [rng.randrange(-2**40, 2**40) for _ in range(50)]
-    tensors = [base[i:] for i in range(0, 9)] + [torch.zeros(16, dtype=d) for d in
-                                                (torch.float16, torch.bfloat16, torch.int32, torch.float8_e4m3fn)]
-    items = values + tensors
-    for a, b in itertools.product(items, repeat=2):
-        if key(a) == key(b):
-            assert spec(a) == spec(b), (a, b)
+    for i in range(2000):
+        monkeypatch.setattr(knobs.runtime, "debug", i >= 1000)  # a knob Triton reads at every call
+        args = (rng.choice(pool), rng.choice(pool), rng.choice([None, base]), rng.choice([1, 16, 2**31, 2**63]),
+                rng.choice([1, 16, 17]), rng.choice([0.5, 1.0]))
+        kw = dict(B=rng.choice([1, True, 2]))
+        state["expected"] = _triton_key(fn, binder, args, kw)
+        L.launch(fn, (1,), *args, **kw)
+    assert state["direct"] > 20  # the direct path is taken with Triton's real (empty) hook chains
+    assert state["bad"] == 0
+    assert L.kinds(fn) <= L.MAX_KINDS
+
+
+def test_an_installed_launch_hook_sends_launches_through_triton(fake_runtime):
+    """Profilers add to Triton's hook chains (never None in Triton 3.6): a chain with a hook is honoured."""
+    pytest.importorskip("triton")
+    from triton.knobs import HookChain
+
+    fn = JITFunction()
+    x = torch.zeros(64)
+    L.launch(fn, (1,), x, 16, 0.5, B=4)
+    L.launch(fn, (1,), x, 16, 0.5, B=4)
+    assert fn.log[-1][0] == "direct"
+    chain = HookChain()
+    fake_runtime.launch_enter_hook = chain
+    L.launch(fn, (1,), x, 16, 0.5, B=4)
+    assert fn.log[-1][0] == "direct"  # empty chain
+    chain.add(lambda *a: None)
+    L.launch(fn, (1,), x, 16, 0.5, B=4)
+    assert fn.log[-1][0] == "triton"
 
 
 @pytest.mark.gpu
