@@ -48,6 +48,8 @@ def require_tensor(t, name: str, *, optional: bool = False) -> Optional[torch.Te
         raise TypeError(f"{name}: expected a torch.Tensor, got None")
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise ValueError(f"{name}: expected a dense (strided) tensor, got layout {t.layout}")
     return t
 
 
@@ -135,7 +137,10 @@ def require_float(v, name: str, *, finite: bool = True, positive: bool = False, 
         raise TypeError(f"{name}: expected a float, got None")
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise TypeError(f"{name}: expected a Python float, got {type(v).__name__}")
-    f = float(v)
+    try:
+        f = float(v)
+    except OverflowError:  # an int past the float range
+        raise ValueError(f"{name}: expected a finite number, got an integer of {v.bit_length()} bits") from None
     if finite and not math.isfinite(f):
         raise ValueError(f"{name}: expected a finite number, got {f}")
     if positive and not f > 0:
@@ -253,6 +258,8 @@ def arg_key(x):
     """What argument checks read of one argument: a tensor's address, shape, strides, dtype and device;
     anything else with its type (True is not 1)."""
     if isinstance(x, torch.Tensor):
+        if x.layout != torch.strided:  # no data pointer or strides: unhashable, so never memoized (the checks say why)
+            return [x.layout]
         return (x.data_ptr(), x.shape, x.stride(), x.dtype, x.device)
     return (type(x), x)
 

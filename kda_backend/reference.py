@@ -56,6 +56,7 @@ def gated_rmsnorm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps
     return o * torch.rsqrt((o * o).mean(-1, keepdim=True) + eps) * weight * torch.sigmoid(gate)
 
 
+@torch.inference_mode()  # writes the caller's caches as the kernels do: inference tensors, leaves that require grad
 def run_reference(p: KDAProblem, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Execute a validated problem row by row, updating the caches in place like the kernels."""
     H, K = p.H, p.K

@@ -154,7 +154,14 @@ def kda_decode_kernel(
     if USE_LOWER_BOUND:
         b_g = lower_bound * tl.sigmoid(b_A * b_z)
     else:
-        b_g = -b_A * tl.where(b_z > 20.0, b_z, tl.log(1.0 + tl.exp(b_z)))
+        # softplus = log1p(exp(z)) as the reference (F.softplus) and the FlyDSL kernel: log(1 + e) loses e
+        # below fp32's epsilon (z < -16: 0), a full decay lost when exp(A_log) is large. log(u) * e / (u - 1)
+        # with u = 1 + e is log1p to a few ulps (Goldberg); u == 1 means log1p(e) = e.
+        b_e = tl.exp(b_z)
+        b_u = 1.0 + b_e
+        b_d = b_u - 1.0
+        b_sp = tl.where(b_d == 0.0, b_e, tl.log(b_u) * (b_e / tl.where(b_d == 0.0, 1.0, b_d)))
+        b_g = -b_A * tl.where(b_z > 20.0, b_z, b_sp)
     # b's head stride is any int (b is accepted with any strides, its span unchecked): the head term in int64
     b_beta = tl.sigmoid(tl.load(p_b + i_n * stride_b_n + i_h.to(tl.int64) * stride_b_h).to(tl.float32))
 
