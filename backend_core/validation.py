@@ -249,9 +249,13 @@ def shape_str(shape: Tuple[int, ...]) -> str:
 
 
 def signature_of(*tensors) -> tuple:
-    """A hashable key of tensors' shapes, dtypes, strides and devices (None stays None): what a
-    memo of per-call-shape decisions (coverage, a chosen implementation) is keyed on."""
-    return tuple(None if t is None else (tuple(t.shape), t.dtype, tuple(t.stride()), t.device) for t in tensors)
+    """A hashable key of tensors' shapes, dtypes, strides, devices and addresses modulo 16 (None stays
+    None): what a memo of per-call-shape decisions (coverage, a chosen implementation) is keyed on. The
+    alignment is in it because implementations differ there (FlyDSL's kernels take 16-byte aligned
+    tensors only): a misaligned call must not reuse an aligned one's choice. A tensor that is not dense
+    is keyed by its layout (its call is checked, and refused, in full)."""
+    return tuple(None if t is None else (tuple(t.shape), t.dtype, tuple(t.stride()), t.device, t.data_ptr() & 15)
+                 if t.layout == torch.strided else (t.layout,) for t in tensors)
 
 
 def arg_key(x):

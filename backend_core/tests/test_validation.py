@@ -33,3 +33,17 @@ def test_require_float():
         require_float(True, "x")
     with pytest.raises(ValueError, match="positive"):
         require_float(0.0, "x", positive=True)
+
+
+def test_signature_of_tells_alignment_apart():
+    """Coverage memos (the KDA adapters) are keyed on signature_of: FlyDSL takes 16-byte aligned tensors
+    only, so a misaligned call with the same shapes must not reuse an aligned call's choice."""
+    from backend_core.validation import signature_of
+
+    buf = torch.zeros(64)
+    a, b = buf[0:16], buf[4:20]  # same shape, strides, dtype, device; 0 and 16 bytes in
+    c = buf[1:17]  # 4 bytes in
+    assert signature_of(a) == signature_of(b)
+    assert signature_of(a) != signature_of(c)
+    assert signature_of(None, a) == (None,) + signature_of(a)
+    hash(signature_of(a.to_sparse()))  # a sparse tensor: a hashable key (its call is refused in full)
