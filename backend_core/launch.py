@@ -20,7 +20,8 @@ buffer offsets); every other argument's type and exact value, except the integer
 launches exactly the binary Triton would have picked (``backend_core/tests/test_launch.py`` checks the key
 against Triton's own cache key, for NVIDIA's and AMD's specialization).
 
-Not taken (the call goes through Triton, as before): Triton's interpreter; a launch hook installed
+Not taken (the call goes through Triton, as before): Triton's interpreter; torch.compile's tracing (Dynamo
+traces ``kernel[grid]``, not a launch by address); a launch hook installed
 (``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook`` not empty: profilers) or a kernel's
 ``pre_run_hooks``; a global constant a kernel read changed since it was compiled (Triton raises); an argument
 missing, a tensor among the keyword arguments, or an argument of another kind; ``FLYDSL_BACKENDS_TRITON_DIRECT=0``
@@ -44,6 +45,7 @@ enabled = os.environ.get("FLYDSL_BACKENDS_TRITON_DIRECT", "1").strip() != "0"
 MAX_KINDS = 64  # compiled-kernel keys kept per kernel
 
 _Tensor = torch.Tensor
+_compiling = torch.compiler.is_compiling
 _SCALARS = frozenset((int, bool, float, str, type(None), torch.dtype))
 _dtype_of = operator.attrgetter("dtype")
 _device_of = operator.methodcaller("get_device")  # -1: CPU (Triton's launcher refuses a host address)
@@ -138,7 +140,8 @@ def launch(fn, grid, *args, **kwargs):
     tensor, or any object other than a number, string, None or torch dtype, among the keyword arguments
     sends the call through Triton). Returns the ``CompiledKernel`` (as Triton's launch does; None under the
     interpreter)."""
-    if not enabled or fn.__class__.__name__ != "JITFunction" or callable(grid):  # the interpreter's: as they are
+    if not enabled or fn.__class__.__name__ != "JITFunction" or callable(grid) or _compiling():
+        # the interpreter's functions; and under torch.compile tracing Triton's own launch, which Dynamo traces
         return fn[grid](*args, **kwargs)
     site = _SITES.get(fn)
     if site is None:

@@ -272,3 +272,13 @@ def test_direct_launch_matches_triton_on_the_gpu():
         assert torch.equal(outs[0], outs[i])
         assert torch.equal(caches[0][0], caches[i][0]) and torch.equal(caches[0][1], caches[i][1])
     assert not torch.equal(caches[0][0], kw["key_cache"].view(torch.uint8))  # write_kv wrote
+
+
+def test_torch_compile_tracing_gets_tritons_own_launch(fake_runtime, monkeypatch):
+    """Dynamo traces ``kernel[grid](...)`` (a Triton kernel in the graph), not a launch by address."""
+    fn = JITFunction()
+    x = torch.zeros(64)
+    L.launch(fn, (1,), x, 16, 0.5, B=4)
+    monkeypatch.setattr(L, "_compiling", lambda: True)
+    L.launch(fn, (1,), x, 16, 0.5, B=4)
+    assert fn.log[-1][0] == "triton"
