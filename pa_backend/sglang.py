@@ -131,6 +131,17 @@ def _check_speculative(cfg) -> None:
     if not isinstance(n, int) or not 2 <= n <= MAX_DRAFT_TOKENS:
         raise ValueError(f"--speculative-num-draft-tokens {n} with --attention-backend flydsl: verify runs 2.."
                          f"{MAX_DRAFT_TOKENS} tokens per request (--speculative-num-steps 1..3); e.g. {_SPEC_WORKING}")
+    if getattr(cfg, "speculative_adaptive", False):
+        # the adaptive controller switches between tiers of candidate_steps + 1 draft tokens at run time
+        from sglang.srt.speculative.adaptive_spec_params import resolve_candidate_steps_from_config
+
+        steps = resolve_candidate_steps_from_config(cfg_path=getattr(cfg, "speculative_adaptive_config", None))
+        widest = max(steps) + 1
+        if widest > MAX_DRAFT_TOKENS:
+            raise ValueError(f"--speculative-adaptive with --attention-backend flydsl: the adaptive tiers verify up to "
+                             f"{widest} draft tokens per request (candidate_steps + 1) and flydsl verifies at most "
+                             f"{MAX_DRAFT_TOKENS}; drop --speculative-adaptive or pass --speculative-adaptive-config "
+                             f"whose candidate_steps are all <= {MAX_DRAFT_TOKENS - 1}")
     draft = getattr(cfg, "speculative_draft_attention_backend", None)
     if not draft or draft == FLYDSL:
         raise ValueError(f"--speculative-draft-attention-backend {draft}: the draft model's multi-step passes do not "

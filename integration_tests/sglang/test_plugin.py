@@ -114,6 +114,11 @@ def _cases(m):
                                  *eagle, "--speculative-eagle-topk", "1", "--speculative-num-steps", "4",
                                  "--speculative-num-draft-tokens", "5", "--speculative-draft-attention-backend",
                                  "triton"], "--speculative-num-draft-tokens 3"),
+        # SGLang's default adaptive tiers verify up to 8 draft tokens at run time
+        "gqa_eagle3_adaptive": (["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--page-size", "16",
+                                 *eagle, "--speculative-eagle-topk", "1", "--speculative-num-steps", "3",
+                                 "--speculative-num-draft-tokens", "4", "--speculative-draft-attention-backend",
+                                 "triton", "--speculative-adaptive"], "drop --speculative-adaptive"),
         "k3_config": (["--config", str(ROOT / "configs/sglang/kimi-k3-tp8-mi355x.yaml"), "--model-path", kimi,
                        "--disable-radix-cache"], None),
         "gqa_config": (["--config", str(ROOT / "configs/sglang/llama-3.1-8b-fp8kv.yaml"), "--model-path", llama],
