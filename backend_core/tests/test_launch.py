@@ -250,6 +250,7 @@ def test_direct_launch_matches_triton_on_the_gpu():
     new = torch.randn((2, 8, 8, 128), generator=g, device="cuda").to(torch.bfloat16)
     slots = torch.arange(8, device="cuda") * 16 + 3  # block i, offset 3: distinct slots
     outs, caches = [], []
+    was = L.enabled
     for direct in (False, True, True):
         L.enabled = direct
         try:
@@ -260,7 +261,7 @@ def test_direct_launch_matches_triton_on_the_gpu():
             outs.append(out)
             caches.append((kc.view(torch.uint8), vc.view(torch.uint8)))
         finally:
-            L.enabled = True
+            L.enabled = was
     torch.cuda.synchronize()
     from pa_backend.triton.pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel
     from pa_backend.triton.write_kv import write_kv_kernel
@@ -282,3 +283,22 @@ def test_torch_compile_tracing_gets_tritons_own_launch(fake_runtime, monkeypatch
     monkeypatch.setattr(L, "_compiling", lambda: True)
     L.launch(fn, (1,), x, 16, 0.5, B=4)
     assert fn.log[-1][0] == "triton"
+
+
+def test_the_switch_is_off_by_default_and_checked():
+    """Opt-in until the direct launch has run on a GPU; a value other than 0 / 1 is refused at import."""
+    import subprocess
+    import sys
+
+    import os
+
+    code = "import backend_core.launch as L; print(L.enabled)"
+    env = {k: v for k, v in os.environ.items() if k != "FLYDSL_BACKENDS_TRITON_DIRECT"}
+
+    def run(extra):
+        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
+
+    assert run({}).stdout.strip() == "False"
+    assert run({"FLYDSL_BACKENDS_TRITON_DIRECT": "1"}).stdout.strip() == "True"
+    bad = run({"FLYDSL_BACKENDS_TRITON_DIRECT": "yes"})
+    assert bad.returncode != 0 and "FLYDSL_BACKENDS_TRITON_DIRECT='yes': expected 0 or 1" in bad.stderr
