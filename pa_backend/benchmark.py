@@ -19,7 +19,7 @@ dequantize to the query dtype and call ``torch.nn.functional.scaled_dot_product_
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -178,13 +178,14 @@ def _baseline_fits(B: int, ctx: int, Hkv: int, D: int, ql: int, Hq: int) -> Tupl
 
 
 def host_overhead(kw: Dict[str, object], layers: int = 200, backend: str = "triton",
-                  direct_launch: bool = True) -> Dict[str, float]:
+                  direct_launch: Optional[bool] = None) -> Dict[str, float]:
     """Host microseconds of one layer's call, with the work queued but not waited for: ``plan.run``
     (the plan made once, as the adapters do per batch), the eager ``pa_decode`` (everything per call)
     and ``write_kv`` of the batch's new tokens (the adapters' other per-layer call). ``backend="null"``
     times the host side only (an implementation that returns at once: how the CPU run measures it).
-    ``direct_launch=False`` launches the Triton kernels through Triton's own path
-    (``backend_core.launch``), for the before/after of the direct launch."""
+    ``direct_launch`` True / False: the Triton kernels launched directly or through Triton's own path
+    (``backend_core.launch``; None: as set), for the before/after of the direct launch. ``kw``: a
+    ``bench_case`` (its cache layout: the block size is the K cache's dim 3)."""
     import time
 
     from backend_core import launch
@@ -197,14 +198,14 @@ def host_overhead(kw: Dict[str, object], layers: int = 200, backend: str = "trit
     T, Hkv, D = kw["query"].shape[0], kw["key_cache"].shape[1], kw["query"].shape[2]
     new_k = torch.randn((T, Hkv, D), device=dev).to(kw["query"].dtype)
     new_v = torch.randn((T, Hkv, D), device=dev).to(kw["query"].dtype)
-    bs = kw["key_cache"].shape[2] if kw["key_cache"].dim() == 4 else kw["key_cache"].shape[3]
+    bs = kw["key_cache"].shape[3]
     # each sequence's last slot (its own block, no other sequence's)
     last = (kw["context_lengths"].long() - 1).clamp(min=0)
     blocks = kw["block_tables"].long().gather(1, (last // bs).unsqueeze(1)).squeeze(1)
     slots = (blocks * bs + last % bs).repeat_interleave(T // last.numel())
     res = {}
     was = launch.enabled
-    launch.enabled = direct_launch
+    launch.enabled = was if direct_launch is None else direct_launch
     try:
         with (null_kernels() if backend == "null" else contextlib.nullcontext()):
             plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=int(kw["query_length"]))
@@ -354,9 +355,9 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
     kw = bench_case(8, 1024, 1, 32, 8, 128, 16, "tensor", dev, table_tokens=table_tokens)
     for impl in impls:
         # Triton kernels: with the direct launch (the default) and through Triton's own launch path
-        for direct in ((True, False) if impl == "triton" else (True,)):
+        for direct in ((False, True) if impl == "triton" else (None,)):
             h = host_overhead(kw, backend=impl, direct_launch=direct)
-            how = "" if direct else " (Triton's launch path)"
+            how = {None: "", False: " (Triton's launch)", True: " (direct launch)"}[direct]
             for name, us in h.items():
                 rows.append(dict(result_row(run, "pa_decode_host", f"{impl}:{name}{how}",
                                             "B=8 ctx=1024 Hq=32 Hkv=8 per layer", _point(us), 0,
@@ -393,10 +394,10 @@ def bench_cli(args):
         print(f"pa host time per layer call ({dev}, B=8, Hq=32, Hkv=8, table {args.table_tokens} tokens):")
         # null: the host side alone (any machine); on a GPU also the Triton kernels launched, directly and
         # through Triton's own launch path
-        runs = [("null", True)] + ([("triton", True), ("triton", False)] if dev.type == "cuda" else [])
+        runs = [("null", None)] + ([("triton", False), ("triton", True)] if dev.type == "cuda" else [])
         for impl, direct in runs:
             res = host_overhead(kw, layers=args.trials * 20, backend=impl, direct_launch=direct)
-            print(f"  {impl}" + ("" if direct else " (Triton's launch path)") + ": "
+            print(f"  {impl}" + {None: "", False: " (Triton's launch)", True: " (direct launch)"}[direct] + ": "
                   + ", ".join(f"{k} {v:.1f} us" for k, v in res.items()))
         return 0
     return run_bench(impls=args.impl.split(","), trials=max(args.trials, 30), baseline=not args.no_baseline,
