@@ -168,8 +168,7 @@ def launch(fn, grid, *args, **kwargs):
         defaults = site.defaults
         if not all(name in kwargs or name in defaults for name in names[n:]):  # Triton says what is missing
             return fn[grid](*args, **kwargs)
-        tail = [kwargs[name] if name in kwargs else defaults[name] for name in names[n:]]
-        types = (types, tuple(map(type, tail)), tuple(tail))
+        tail = [kwargs[name] if name in kwargs else defaults[name] for name in names[n:]]  # the site's own: no key
     # positional arguments: a tensor by dtype and 16-byte alignment (launched by its address), anything
     # else by type and value. Where the tensors sit among them is kept per sequence of argument types
     ptypes = tuple(map(type, args))

@@ -14,8 +14,8 @@ from typing import Tuple
 import torch
 
 from backend_core import platform
-from backend_core.launch import launch
 from backend_core.buffers import DeviceBuffers
+from backend_core.launch import launch
 from ..contract import KDAProblem
 
 __all__ = ["available", "supports", "run", "launch_config"]
