@@ -109,7 +109,11 @@ def run_write(p: WriteProblem) -> None:
                                                (p.value[keep], c.value_cache, c.value_scale, c.v_per_token, False)):
         xf = x.float()  # [n, Hkv, D]
         if per_token:
-            sc = (xf.abs().amax(dim=-1) / fmax).clamp_min(torch.finfo(torch.float32).tiny)  # [n, Hkv]
+            # amax / fmax as an IEEE division on every device: torch's CUDA kernel divides by a Python number as
+            # a multiplication by its reciprocal (an ulp off the quotient for about half of the tokens), a
+            # tensor divisor is divided by
+            fmax_t = torch.tensor(fmax, dtype=torch.float32, device=xf.device)
+            sc = (xf.abs().amax(dim=-1) / fmax_t).clamp_min(torch.finfo(torch.float32).tiny)  # [n, Hkv]
             scale[b, :, off] = sc
             q = xf / sc[:, :, None]
         else:

@@ -135,3 +135,31 @@ def test_bench_rejects_zero_calls_per_graph():
 
     with pytest.raises(ValueError, match="calls_per_graph"):
         run_bench(calls_per_graph=0, progress=lambda *a: None)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")])])
+def test_reference_per_token_scales_are_ieee_quotients(device):
+    """The reference writer's per-token scale is amax / fp8_max correctly rounded on every device (the
+    exact quotient, from float64, rounded once to float32). torch's CUDA division by a Python number
+    multiplies by its reciprocal, an ulp off for about half of the tokens: Triton's write_kv (IEEE
+    div_rn) was then not byte-equal to the reference on the GPU."""
+    from pa_backend import write_kv
+    from pa_backend.fp8 import fp8_dtype_for, fp8_max
+
+    fp8 = fp8_dtype_for(torch.device(device))
+    NB, Hkv, D, bs, T = 8, 2, 64, 16, 100
+    g = torch.Generator().manual_seed(3)
+    k = (torch.randn(T, Hkv, D, generator=g) * 3).bfloat16()
+    v = (torch.randn(T, Hkv, D, generator=g) * 2).bfloat16()
+    kc = torch.zeros(NB, Hkv, D // 16, bs, 16, dtype=torch.uint8).view(fp8)
+    vc = torch.zeros(NB, Hkv, D, bs, dtype=torch.uint8).view(fp8)
+    ks, vs = torch.full((NB, Hkv, bs), float("nan")), torch.full((NB, Hkv, bs), float("nan"))
+    slots = torch.randperm(NB * bs, generator=g)[:T]
+    dev = [t.to(device) for t in (k, v, kc, vc, slots, ks, vs)]
+    write_kv(*dev[:5], *dev[5:], backend="torch")
+    fmax = fp8_max(fp8)
+    for x, scale in ((k, dev[5].cpu()), (v, dev[6].cpu())):
+        want = (x.double().abs().amax(-1) / fmax).float()  # [T, Hkv]
+        got = scale[slots // bs, :, slots % bs]
+        assert torch.equal(got, want), int((got != want).sum())
