@@ -11,6 +11,8 @@ from backend_core import launch  # noqa: E402
 from pa_backend.accuracy import long_decode  # noqa: E402
 
 print(torch.cuda.get_device_name())
+print("torch impl (the harness alone):", long_decode(1000, B=8, Hq=16, Hkv=2, D=128, block_size=64, device="cuda",
+                                                     impl="torch", scales="token", v_layout="5d"), flush=True)
 for direct in (False, True):
     launch.enabled = direct
     for bs, scales, v in ((64, "token", "5d"), (16, "tensor", "4d"), (64, "tensor", "5d"), (16, "token", "4d")):
