@@ -24,9 +24,11 @@ Not taken (the call goes through Triton, as before): Triton's interpreter; torch
 traces ``kernel[grid]``, not a launch by address); a launch hook installed
 (``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook`` not empty: profilers) or a kernel's
 ``pre_run_hooks``; a global constant a kernel read changed since it was compiled (Triton raises); an argument
-missing, a tensor among the keyword arguments, or an argument of another kind; and by default: the direct
-launch is opt-in (``FLYDSL_BACKENDS_TRITON_DIRECT=1``, read at import; the ``enabled`` attribute switches it
-at run time, for A/B timings) until it has run on a GPU, which it has not yet (2026-12-05). At most ``MAX_KINDS``
+missing, a tensor among the keyword arguments, or an argument of another kind; and on AMD by default: it is
+on by default with CUDA (run on an H100: the same bytes as Triton's launch, plan.run's host time 166 -> 83 us;
+benchmarks/results/gpu-tests/2026-12-05_h100_session13.md) and opt-in with ROCm, where it has not run
+(``FLYDSL_BACKENDS_TRITON_DIRECT=1`` / ``0`` turns it on / off on either, read at import; the ``enabled``
+attribute switches it at run time, for A/B timings). At most ``MAX_KINDS``
 keys per kernel are kept (the least recently used is dropped). Skipped on a hit: the driver's check that
 each address is device memory (this package's argument checks have placed every tensor on the call's GPU,
 and a CPU tensor has its own key, whose first call Triton refuses).
@@ -40,13 +42,15 @@ from collections import OrderedDict
 
 import torch
 
+from . import platform
+
 __all__ = ["launch", "enabled", "MAX_KINDS", "kinds"]
 
-# off until it has run on a GPU (written and reviewed without one): FLYDSL_BACKENDS_TRITON_DIRECT=1 turns it on
+# on with CUDA (run on an H100), opt-in with ROCm (not run on AMD): FLYDSL_BACKENDS_TRITON_DIRECT=0 / 1 decides
 _RAW = os.environ.get("FLYDSL_BACKENDS_TRITON_DIRECT", "").strip()
 if _RAW not in ("", "0", "1"):
     raise ValueError(f"FLYDSL_BACKENDS_TRITON_DIRECT={_RAW!r}: expected 0 or 1")
-enabled = _RAW == "1"
+enabled = _RAW == "1" if _RAW else not platform.is_hip()
 MAX_KINDS = 64  # compiled-kernel keys kept per kernel
 
 _Tensor = torch.Tensor

@@ -285,20 +285,25 @@ def test_torch_compile_tracing_gets_tritons_own_launch(fake_runtime, monkeypatch
     assert fn.log[-1][0] == "triton"
 
 
-def test_the_switch_is_off_by_default_and_checked():
-    """Opt-in until the direct launch has run on a GPU; a value other than 0 / 1 is refused at import."""
+def test_the_switch_is_on_with_cuda_opt_in_with_rocm_and_checked():
+    """On by default with a CUDA (or CPU) torch, where it has run on a GPU; off with ROCm, where it has not;
+    0 / 1 decide on either; a value other than 0 / 1 is refused at import."""
     import subprocess
     import sys
 
     import os
 
-    code = "import backend_core.launch as L; print(L.enabled)"
+    code = ("import sys, torch; torch.version.hip = sys.argv[1] or None; "
+            "import backend_core.launch as L; print(L.enabled)")
     env = {k: v for k, v in os.environ.items() if k != "FLYDSL_BACKENDS_TRITON_DIRECT"}
 
-    def run(extra):
-        return subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True)
+    def run(extra, hip=""):
+        return subprocess.run([sys.executable, "-c", code, hip], env={**env, **extra}, capture_output=True,
+                              text=True)
 
-    assert run({}).stdout.strip() == "False"
-    assert run({"FLYDSL_BACKENDS_TRITON_DIRECT": "1"}).stdout.strip() == "True"
+    assert run({}).stdout.strip() == "True"
+    assert run({}, hip="7.0").stdout.strip() == "False"
+    assert run({"FLYDSL_BACKENDS_TRITON_DIRECT": "1"}, hip="7.0").stdout.strip() == "True"
+    assert run({"FLYDSL_BACKENDS_TRITON_DIRECT": "0"}).stdout.strip() == "False"
     bad = run({"FLYDSL_BACKENDS_TRITON_DIRECT": "yes"})
     assert bad.returncode != 0 and "FLYDSL_BACKENDS_TRITON_DIRECT='yes': expected 0 or 1" in bad.stderr
