@@ -24,8 +24,8 @@ Not taken (the call goes through Triton, as before): Triton's interpreter; torch
 traces ``kernel[grid]``, not a launch by address); a launch hook installed
 (``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook`` not empty: profilers) or a kernel's
 ``pre_run_hooks``; a global constant a kernel read changed since it was compiled (Triton raises); an argument
-missing, a tensor among the keyword arguments, or an argument of another kind; and on AMD by default: it is
-on by default with CUDA (run on an H100: the same bytes as Triton's launch, plan.run's host time 166 -> 83 us;
+missing, a tensor among the keyword arguments, or an argument of another kind; and, by default, with ROCm. It
+is on by default with CUDA (run on an H100: the same bytes as Triton's launch, plan.run's host time 166 -> 83 us;
 benchmarks/results/gpu-tests/2026-12-05_h100_session13.md) and opt-in with ROCm, where it has not run
 (``FLYDSL_BACKENDS_TRITON_DIRECT=1`` / ``0`` turns it on / off on either, read at import; the ``enabled``
 attribute switches it at run time, for A/B timings). At most ``MAX_KINDS``

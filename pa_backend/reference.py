@@ -112,7 +112,7 @@ def run_write(p: WriteProblem) -> None:
             # amax / fmax as an IEEE division on every device: torch's CUDA kernel divides by a Python number as
             # a multiplication by its reciprocal (an ulp off the quotient for about half of the tokens), a
             # tensor divisor is divided by
-            fmax_t = torch.tensor(fmax, dtype=torch.float32, device=xf.device)
+            fmax_t = torch.full((), fmax, dtype=torch.float32, device=xf.device)
             sc = (xf.abs().amax(dim=-1) / fmax_t).clamp_min(torch.finfo(torch.float32).tiny)  # [n, Hkv]
             scale[b, :, off] = sc
             q = xf / sc[:, :, None]
