@@ -2,8 +2,11 @@
 implementation (validation and dispatch only), the Triton kernels through Triton's launch and directly, the
 direct path with the driver launcher stubbed out (this project's Python alone), and the launcher alone (Triton's
 CudaLauncher with the arguments ready). B=8, Hq=32, Hkv=8, D=128, context 1024, 128k-token table.
-Run from the repo root: python3 benchmarks/pa_probe/host_split.py [calls]"""
+``--profile``: then a cProfile of the direct plan.run (the functions by their own time).
+Run from the repo root: python3 benchmarks/pa_probe/host_split.py [calls] [--profile]"""
+import cProfile
 import os
+import pstats
 import sys
 import time
 
@@ -14,7 +17,8 @@ from backend_core import launch  # noqa: E402
 from pa_backend import plan_decode  # noqa: E402
 from pa_backend.benchmark import bench_case, null_kernels  # noqa: E402
 
-n = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
+argv = [a for a in sys.argv[1:] if a != "--profile"]
+n = int(argv[0]) if argv else 2000
 kw = bench_case(8, 1024, 1, 32, 8, 128, 16, "tensor", torch.device("cuda"), table_tokens=1 << 17)
 args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
 out = torch.empty_like(kw["query"])
@@ -81,3 +85,12 @@ if all(r.global_scratch_size == 0 and r.profile_scratch_size == 0 for r, _ in re
     print(f"the C launch alone (no scratch to allocate): {timed(c_only):.1f} us")
 t = torch.empty(1, device="cuda")
 print(f"torch add_ (one small kernel, for scale): {timed(lambda: t.add_(1)):.1f} us")
+if "--profile" in sys.argv:
+    launch.enabled = True
+    pr = cProfile.Profile()
+    pr.enable()
+    for _ in range(n):
+        run()
+    pr.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(pr).sort_stats("tottime").print_stats(30)
