@@ -27,6 +27,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from backend_core.validation import arg_key, signature_of
+
 from .api import registry_for
 from .contract import PABatch, check_batch, check_layer
 
@@ -41,6 +43,7 @@ class PAPlan:
                                         or max_context < 0):
             raise ValueError(f"max_context: expected None or an int >= 0, got {max_context!r}")
         self.batch = batch
+        batch.memo_key()  # the batch tensors' layout as planned (run refuses a batch resized since)
         self.max_context = max_context  # an upper bound on every context (None: the table width)
         self.backend = backend
         self.state: dict = {}  # implementation launch state, keyed by the implementation and layer shape
@@ -64,14 +67,21 @@ class PAPlan:
         """One layer's attention over the planned batch. Arguments as in :func:`pa_decode` /
         :func:`pa_prefill` (``query`` [T, Hq, D]; ``out`` filled in place and returned).
         ``backend`` overrides the plan's choice (an adapter's per-layer setting)."""
+        b = self.batch
+        if (arg_key(b.block_tables), arg_key(b.context_lengths), arg_key(b.query_start_loc)) != b.memo_key()[:3]:
+            # resized or re-strided in place since the plan was made (refilling their values is fine)
+            raise ValueError("block_tables / context_lengths / query_start_loc: changed shape, strides or storage "
+                             "since the plan was made; make a new plan for this batch")
         p = check_layer(self.batch, query=query, key_cache=key_cache, value_cache=value_cache, key_scale=key_scale,
                         value_scale=value_scale, softmax_scale=softmax_scale, sliding_window=sliding_window,
                         sinks=sinks, num_partitions=num_partitions, out=out, anchor="block_tables")
         p.plan = self
         c = p.cache
-        sig = (p.Hq, c.Hkv, c.D, c.block_size, c.key_cache.dtype, c.v_transposed, c.k_per_token, c.v_per_token,
-               p.query.dtype, p.sinks is not None, p.sliding_window > 0, p.softmax_scale == c.D ** -0.5,
-               num_partitions, backend)
+        # everything an implementation's coverage check may read but the addresses (the layers of a step share
+        # one choice): shapes, dtypes, strides, alignment (FlyDSL's AITER kernel takes contiguous caches and
+        # no softmax_scale; a layer with interleaved K/V pages or another scale must be chosen for anew)
+        sig = (signature_of(p.query, c.key_cache, c.value_cache, c.key_scale, c.value_scale, p.out, p.sinks),
+               p.softmax_scale, p.sliding_window, num_partitions, backend)
         impl = self._impls.get(sig)
         if impl is None:
             impl = self._impls[sig] = registry_for(p).select(p, backend or self.backend, device_type=p.device.type,

@@ -159,3 +159,40 @@ def test_without_aiter_flydsl_explains_itself():
     assert not ok or platform.is_hip()
     with pytest.raises(ValueError, match="backend='flydsl'"):
         make_pa_case([20], D=64).call("flydsl")
+
+
+def _interleaved(kc, vc):
+    """vLLM-style K/V pages: the two caches of a block side by side in one allocation (same shapes, strided)."""
+    page = torch.empty((kc.shape[0], 2, kc[0].numel()), dtype=torch.uint8)
+    page[:, 0].copy_(kc.view(torch.uint8).reshape(kc.shape[0], -1))
+    page[:, 1].copy_(vc.view(torch.uint8).reshape(vc.shape[0], -1))
+    return page[:, 0].view(kc.dtype).view(kc.shape), page[:, 1].view(vc.dtype).view(vc.shape)
+
+
+def test_a_plan_chooses_anew_for_a_layer_flydsl_cannot_serve(standin, amd_here):
+    """A plan keeps one implementation per layer kind; a later layer FlyDSL's kernel cannot read (interleaved
+    K/V pages of the same shapes; another softmax_scale, which AITER's pa_decode does not take) must not reuse
+    the first layer's FlyDSL choice: forced, it is refused; on auto it goes to another implementation."""
+    import math
+
+    from pa_backend import pa_decode, plan_decode
+
+    kw = dict(make_pa_case([20, 33], D=128, extra_table=2).kwargs)
+    q, kc, vc, ks, vs = (kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale"))
+    plan = plan_decode(kw["block_tables"], kw["context_lengths"], backend="flydsl")
+    plan.run(q, kc, vc, ks, vs, softmax_scale=1 / math.sqrt(128))  # an ulp off 128**-0.5: FlyDSL serves it
+    served = len(standin.calls)
+    assert served >= 1
+    kc2, vc2 = _interleaved(kc, vc)
+    with pytest.raises(ValueError, match="strided key_cache"):
+        plan.run(q, kc2, vc2, ks, vs)
+    with pytest.raises(ValueError, match="softmax_scale"):
+        plan.run(q, kc, vc, ks, vs, softmax_scale=0.3)
+    assert len(standin.calls) == served
+    auto = plan_decode(kw["block_tables"], kw["context_lengths"])
+    auto.run(q, kc, vc, ks, vs)
+    served = len(standin.calls)
+    want = pa_decode(q, kc, vc, kw["block_tables"], kw["context_lengths"], ks, vs, softmax_scale=0.3, backend="torch")
+    got = auto.run(q, kc, vc, ks, vs, softmax_scale=0.3)
+    assert len(standin.calls) == served  # not AITER's kernel
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)

@@ -253,3 +253,23 @@ def test_memoized_checks_keep_no_tensor_alive():
     del kc, c
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("change", ["resize", "restride"])
+def test_a_plan_refuses_a_batch_changed_in_place(change):
+    """Refilling the batch tensors' values between runs is the contract (CUDA graphs); resizing or re-striding
+    them in place is not: the kernels would read the planned shape's rows of the new storage."""
+    case = make_pa_case([20, 33], D=64, extra_table=2)
+    kw = dict(case.kwargs)
+    bt, cl = kw["block_tables"].clone(), kw["context_lengths"].clone()
+    plan = plan_decode(bt, cl, backend="torch")
+    args = [kw[k] for k in LAYER_ARGS]
+    plan.run(*args)
+    cl.fill_(5)
+    plan.run(*args)  # new values: fine
+    if change == "resize":
+        bt.resize_(1, bt.shape[1])
+    else:
+        bt.as_strided_(bt.shape, (1, bt.shape[0]))
+    with pytest.raises(ValueError, match="make a new plan"):
+        plan.run(*args)
