@@ -100,16 +100,26 @@ def _family_table(args, title: str, run_family, bound_legend=None) -> int:
           f"({'small CPU shapes' if small and not gpu else 'small shapes' if small else 'decode shapes'})")
     if note:
         print(f"note: {note}")
+    families = _ops.OPS if args.op == "all" else (_ops.get(args.op),)
+    # --backend is repeatable and takes comma lists; a name no family has is refused before anything runs
+    wanted = {n.strip() for b in (args.backend or ()) for n in b.split(",") if n.strip()}
+    known = {n for fam in families for n, _, _ in fam.registry().status()}
+    if wanted - known:
+        print(f"--backend: unknown implementation(s) {sorted(wanted - known)}; expected some of {sorted(known)}")
+        return 2
     failures = total = n_skipped = 0
-    for fam in _ops.OPS if args.op == "all" else (_ops.get(args.op),):
+    not_run = []  # requested implementations that could not run here
+    for fam in families:
         op, reg = fam.name, fam.registry()
-        impls = [n for n, ok, _ in reg.status() if ok and (not args.backend or n in args.backend)]
+        impls = [n for n, ok, _ in reg.status() if ok and (not wanted or n in wanted)]
         job = run_family(fam, impls, device, small)
         if job is None:
             continue
         for n, ok, why in reg.status():
             if not ok:
                 print(f"  {op}/{n}: not run ({why})")
+                if n in wanted:
+                    not_run.append(f"{op}/{n}")
         t0 = time.time()
         rows = job()
         legend = bound_legend(fam) if bound_legend else None
@@ -133,7 +143,12 @@ def _family_table(args, title: str, run_family, bound_legend=None) -> int:
                   f"{r.get('out_err', float('nan')):>9.2e} {state}{bound}  {r['case']}{'; ' + detail if detail else ''}")
         print(f"({time.time() - t0:.1f} s)")
     print(f"\n{total - failures} passed, {failures} failed" + (f", {n_skipped} skipped" if n_skipped else ""))
-    return 1 if failures else 0
+    if failures:
+        return 1
+    if not_run or not total:  # what was asked for was not checked: not a pass
+        print("not checked: " + (", ".join(not_run) if not_run else "no implementation ran") + " (see above)")
+        return 2
+    return 0
 
 
 def cmd_verify(args) -> int:
@@ -189,11 +204,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also compile every shipped FlyDSL specialization for gfx950/gfx942 and print VGPR/LDS/...")
     v = sub.add_parser("verify", help="every available implementation against the reference")
     v.add_argument("--op", default="all", choices=("all",) + _ops.names())
-    v.add_argument("--backend", action="append", help="only these implementations (repeatable)")
+    v.add_argument("--backend", action="append",
+                   help="only these implementations (repeatable or a comma list; exit status 2 if one cannot run here)")
     v.add_argument("--small", action="store_true", help="small shapes even on a GPU")
     a = sub.add_parser("accuracy", help="long-horizon decode against float64 (KDA state drift, a long paged decode)")
     a.add_argument("--op", default="all", choices=("all",) + _ops.names())
-    a.add_argument("--backend", action="append", help="only these implementations (repeatable)")
+    a.add_argument("--backend", action="append",
+                   help="only these implementations (repeatable or a comma list; exit status 2 if one cannot run here)")
     a.add_argument("--steps", type=int, default=None, help="decode steps (default: 2000 on a GPU, 40 without one)")
     a.add_argument("--small", action="store_true", help="small shapes even on a GPU")
     b = sub.add_parser("bench", help="CUDA-graph timings, CSV rows under benchmarks/results/")

@@ -41,6 +41,21 @@ def test_verify_fails_on_a_wrong_implementation(monkeypatch, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
+def test_verify_says_when_what_was_asked_for_did_not_run(capsys, monkeypatch):
+    """A typo, an implementation that cannot run here, or nothing run at all is exit status 2, never a
+    pass with "0 passed, 0 failed"; --backend takes a comma list as well as repeats."""
+    assert cli.main(["verify", "--backend", "tritn"]) == 2
+    assert "unknown implementation(s) ['tritn']" in capsys.readouterr().out
+    from kda_backend import REGISTRY
+
+    monkeypatch.setattr(REGISTRY.get("torch"), "is_available", lambda: (False, "pretend"))
+    assert cli.main(["verify", "--op", "kda", "--backend", "torch"]) == 2
+    assert "not checked: kda/torch" in capsys.readouterr().out
+    monkeypatch.undo()
+    assert cli.main(["verify", "--op", "kda", "--backend", "torch,torch", "--small"]) == 0
+    assert "kda   torch   PASS" in capsys.readouterr().out
+
+
 def test_accuracy_passes_here_and_fails_on_a_biased_state(monkeypatch, capsys):
     """``accuracy`` runs both families' long-horizon checks (a few steps here) and turns a state that drifts
     (a bias of 1e-3 per step: far below one step's tolerance in ``verify``) into a failure."""
