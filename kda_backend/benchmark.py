@@ -144,8 +144,13 @@ def add_bench_args(parser) -> None:
     parser.add_argument("--no-fla", action="store_true", help="kda: skip the composed fla-core baseline")
 
 
-def bench_cli(args) -> List[Dict[str, object]]:
-    """``flydsl-backends bench kda``: rows for the CLI to write."""
+def bench_cli(args):
+    """``flydsl-backends bench kda``: rows for the CLI to write (or an exit status: ``--host`` is the paged
+    ops' host-time mode; the KDA decode is one launch per layer, timed by the rows themselves)."""
+    if getattr(args, "host", False):
+        print("--host: the per-layer host time is measured for the paged ops (`bench pa --host`); "
+              "`bench kda` times the decode itself, on a GPU")
+        return 2
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     return run_bench(batches=[int(b) for b in args.batches.split(",")], H=args.heads, K=args.head_dim,
                      state_dtypes=[dtypes[d] for d in args.state_dtypes.split(",")],

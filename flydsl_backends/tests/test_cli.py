@@ -83,6 +83,12 @@ def test_bench_refuses_without_gpu(capsys):
     assert cli.main(["bench", "kda"]) == 2
 
 
+def test_bench_kda_host_says_it_is_the_paged_ops_mode(capsys):
+    """``--host`` belongs to ``bench pa``; ``bench kda --host`` ended in a RuntimeError traceback on CPU."""
+    assert cli.main(["bench", "kda", "--host"]) == 2
+    assert "bench pa --host" in capsys.readouterr().out
+
+
 def test_package_imports_without_triton_or_frameworks():
     code = ("import sys; import flydsl_backends, kda_backend, backend_core, flydsl_backends.cli; "
             "bad = [m for m in ('triton', 'flydsl', 'sglang', 'vllm', 'aiter') if m in sys.modules]; "
