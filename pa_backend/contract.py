@@ -28,6 +28,7 @@ from backend_core.validation import (
     require_shape,
     require_tensor,
     require_unit_stride,
+    signature_of,
 )
 
 from .fp8 import FP8_DTYPES
@@ -102,6 +103,9 @@ class PAProblem:
     num_partitions: Optional[int]
     out: torch.Tensor
     plan: Optional[object] = None  # the PAPlan running it (implementations keep per-plan launch state there)
+    # what an implementation's coverage check may read of this layer but the addresses (check_layer, memoized):
+    # the layer tensors' shapes, dtypes, strides and alignment, the scale, the window, the partition hint
+    layer_key: Optional[tuple] = None
 
     @property
     def device(self) -> torch.device:
@@ -284,7 +288,7 @@ def check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, val
            arg_key(num_partitions), arg_key(out))
     hit = _CALL_MEMO.get(key)
     if hit is not None:
-        facts, Hq, softmax_scale, sliding_window = hit
+        facts, Hq, softmax_scale, sliding_window, layer_key = hit
         if out is None:
             out = torch.empty_like(query, memory_format=torch.contiguous_format)
         return PAProblem(query=query, cache=_cache_from_facts(key_cache, value_cache, key_scale, value_scale, facts),
@@ -292,11 +296,15 @@ def check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, val
                          query_start_loc=batch.query_start_loc, query_start_loc_host=batch.query_start_loc_host,
                          query_length=batch.query_length, num_seqs=batch.num_seqs, Hq=Hq,
                          softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
-                         num_partitions=num_partitions, out=out)
+                         num_partitions=num_partitions, out=out, layer_key=layer_key)
     p = _check_layer(batch, query=query, key_cache=key_cache, value_cache=value_cache, key_scale=key_scale,
                      value_scale=value_scale, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
                      num_partitions=num_partitions, out=out, anchor=anchor)
-    _CALL_MEMO.put(key, batch.device, (_cache_facts(p.cache), p.Hq, p.softmax_scale, p.sliding_window))
+    c = p.cache
+    # an output made here (out=None) is a fresh contiguous tensor like the query at every call: the same key
+    p.layer_key = (signature_of(p.query, c.key_cache, c.value_cache, c.key_scale, c.value_scale, p.out, p.sinks),
+                   p.softmax_scale, p.sliding_window, p.num_partitions)
+    _CALL_MEMO.put(key, batch.device, (_cache_facts(p.cache), p.Hq, p.softmax_scale, p.sliding_window, p.layer_key))
     return p
 
 

@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from backend_core.validation import arg_key, signature_of
+from backend_core.validation import arg_key
 
 from .api import registry_for
 from .contract import PABatch, check_batch, check_layer
@@ -76,12 +76,11 @@ class PAPlan:
                         value_scale=value_scale, softmax_scale=softmax_scale, sliding_window=sliding_window,
                         sinks=sinks, num_partitions=num_partitions, out=out, anchor="block_tables")
         p.plan = self
-        c = p.cache
         # everything an implementation's coverage check may read but the addresses (the layers of a step share
-        # one choice): shapes, dtypes, strides, alignment (FlyDSL's AITER kernel takes contiguous caches and
-        # no softmax_scale; a layer with interleaved K/V pages or another scale must be chosen for anew)
-        sig = (signature_of(p.query, c.key_cache, c.value_cache, c.key_scale, c.value_scale, p.out, p.sinks),
-               p.softmax_scale, p.sliding_window, num_partitions, backend)
+        # one choice; check_layer keeps it with its memo): shapes, dtypes, strides, alignment, scale, window
+        # (FlyDSL's AITER kernel takes contiguous caches and no softmax_scale: a layer with interleaved K/V
+        # pages or another scale must be chosen for anew)
+        sig = (p.layer_key, backend)
         impl = self._impls.get(sig)
         if impl is None:
             impl = self._impls[sig] = registry_for(p).select(p, backend or self.backend, device_type=p.device.type,
