@@ -230,7 +230,8 @@ def flydsl_build_target() -> "tuple[Optional[str], str]":
     gpu = _env_arch("FLYDSL_GPU_ARCH") or _env_arch("HSA_OVERRIDE_GFX_VERSION")
     arch = _env_arch("ARCH")
     if gpu and arch and gpu != arch:
-        return None, f"ARCH={arch} and FLYDSL_GPU_ARCH={gpu} disagree (set both to the device's arch)"
+        src = "FLYDSL_GPU_ARCH" if _env_arch("FLYDSL_GPU_ARCH") else "HSA_OVERRIDE_GFX_VERSION"
+        return None, f"ARCH={arch} and {src}={gpu} disagree (set both to the device's arch)"
     if gpu:
         return gpu, "FLYDSL_GPU_ARCH" if _env_arch("FLYDSL_GPU_ARCH") else "HSA_OVERRIDE_GFX_VERSION"
     if arch:
