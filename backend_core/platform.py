@@ -227,13 +227,13 @@ def flydsl_build_target() -> "tuple[Optional[str], str]":
     ``FLYDSL_GPU_ARCH`` (or ``HSA_OVERRIDE_GFX_VERSION``), else from the first GPU the ROCm runtime
     lists; codegen also honours ``ARCH``. ``(None, reason)`` when ``ARCH`` and ``FLYDSL_GPU_ARCH``
     disagree (a binary built that way mixes one arch's code with another's FP8 format)."""
-    gpu = _env_arch("FLYDSL_GPU_ARCH") or _env_arch("HSA_OVERRIDE_GFX_VERSION")
+    src = "FLYDSL_GPU_ARCH" if _env_arch("FLYDSL_GPU_ARCH") else "HSA_OVERRIDE_GFX_VERSION"
+    gpu = _env_arch(src)
     arch = _env_arch("ARCH")
     if gpu and arch and gpu != arch:
-        src = "FLYDSL_GPU_ARCH" if _env_arch("FLYDSL_GPU_ARCH") else "HSA_OVERRIDE_GFX_VERSION"
         return None, f"ARCH={arch} and {src}={gpu} disagree (set both to the device's arch)"
     if gpu:
-        return gpu, "FLYDSL_GPU_ARCH" if _env_arch("FLYDSL_GPU_ARCH") else "HSA_OVERRIDE_GFX_VERSION"
+        return gpu, src
     if arch:
         return arch, "ARCH"
     if has_gpu() and is_hip():

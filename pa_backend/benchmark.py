@@ -177,6 +177,10 @@ def _baseline_fits(B: int, ctx: int, Hkv: int, D: int, ql: int, Hq: int) -> Tupl
     return True, ""
 
 
+# host-time rows' suffix by host_overhead's direct_launch (None: the launch as set)
+_LAUNCH_LABEL = {None: "", False: " (Triton's launch)", True: " (direct launch)"}
+
+
 def host_overhead(kw: Dict[str, object], layers: int = 200, backend: str = "triton",
                   direct_launch: Optional[bool] = None) -> Dict[str, float]:
     """Host microseconds of one layer's call, with the work queued but not waited for: ``plan.run``
@@ -357,7 +361,7 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
         # Triton kernels: with the direct launch (the default) and through Triton's own launch path
         for direct in ((False, True) if impl == "triton" else (None,)):
             h = host_overhead(kw, backend=impl, direct_launch=direct)
-            how = {None: "", False: " (Triton's launch)", True: " (direct launch)"}[direct]
+            how = _LAUNCH_LABEL[direct]
             for name, us in h.items():
                 rows.append(dict(result_row(run, "pa_decode_host", f"{impl}:{name}{how}",
                                             "B=8 ctx=1024 Hq=32 Hkv=8 per layer", _point(us), 0,
@@ -397,7 +401,7 @@ def bench_cli(args):
         runs = [("null", None)] + ([("triton", False), ("triton", True)] if dev.type == "cuda" else [])
         for impl, direct in runs:
             res = host_overhead(kw, layers=args.trials * 20, backend=impl, direct_launch=direct)
-            print(f"  {impl}" + {None: "", False: " (Triton's launch)", True: " (direct launch)"}[direct] + ": "
+            print(f"  {impl}" + _LAUNCH_LABEL[direct] + ": "
                   + ", ".join(f"{k} {v:.1f} us" for k, v in res.items()))
         return 0
     return run_bench(impls=args.impl.split(","), trials=max(args.trials, 30), baseline=not args.no_baseline,
