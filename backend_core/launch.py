@@ -8,7 +8,10 @@ about every tensor's address (``cuPointerGetAttribute``). For the paged decode's
 of microseconds of host time per launch (benchmarks/NOTES.md: ``plan.run`` 87 us on the H200 host against
 9 us with null kernels).
 
-``launch(kernel, grid, *args, **kwargs)`` takes the same arguments. The first call of each kind goes through
+``launch(kernel, grid, *args, **kwargs)`` takes the same arguments. ``bind(kernel, grid, vary, *args,
+**kwargs)`` launches as ``launch`` does and returns a ``Bound``: the same launch with only the tensors at the
+positions ``vary`` changed (a plan's later layers, which differ only in their query, caches and output),
+which copies the kept argument list and puts the new addresses in, with no key built. The first call of each kind goes through
 Triton (which compiles, or finds its compiled kernel); the ``CompiledKernel`` it returns is kept under a key
 that holds everything Triton specializes on, and later calls with an equal key launch it through the
 driver launcher directly, with the tensors passed as their addresses. The key is conservative: the
@@ -44,7 +47,7 @@ import torch
 
 from . import platform
 
-__all__ = ["launch", "enabled", "MAX_KINDS", "kinds"]
+__all__ = ["launch", "bind", "Bound", "enabled", "MAX_KINDS", "kinds"]
 
 # on with CUDA (run on an H100), opt-in with ROCm (not run on AMD): FLYDSL_BACKENDS_TRITON_DIRECT=0 / 1 decides
 _RAW = os.environ.get("FLYDSL_BACKENDS_TRITON_DIRECT", "").strip()
@@ -149,29 +152,90 @@ def launch(fn, grid, *args, **kwargs):
     tensor, or any object other than a number, string, None or torch dtype, among the keyword arguments
     sends the call through Triton). Returns the ``CompiledKernel`` (as Triton's launch does; None under the
     interpreter)."""
+    return _launch(fn, grid, args, kwargs, None)[0]
+
+
+def bind(fn, grid, vary, *args, **kwargs):
+    """``launch(fn, grid, *args, **kwargs)``, and a :class:`Bound` for later launches of the same kernel
+    whose arguments differ only in the tensors at the positions ``vary``, or None (the direct launch not
+    taken). Returns ``(compiled kernel, bound)``."""
+    return _launch(fn, grid, args, kwargs, tuple(vary))
+
+
+class Bound:
+    """A launch with every argument fixed but the tensors at some positions (a layer's query, caches and
+    output, where the layers of one batch share every shape, stride, scalar and batch buffer). Calling it
+    with those tensors launches the compiled kernel directly, the argument list copied and the new
+    addresses put in: no key is built. The caller guarantees what the key would have checked but the
+    addresses: the same dtypes, shapes, strides and devices as at ``bind`` (a plan keys its bound launches
+    on the layer's signature). Checked per call, and False returned without launching when one fails (the
+    caller then launches in full): the switch still on and no tracing, no launch hook installed, the same
+    current device, the kernel's global constants unchanged, each tensor's address modulo 16 (and on AMD
+    its buffer class) as bound."""
+
+    __slots__ = ("k", "fn", "grid", "full", "vary", "align", "dev", "tspec", "classes")
+
+    def __init__(self, k, fn, grid, full, vary, tensors, dev, tspec):
+        self.k, self.fn, self.dev, self.tspec = k, fn, dev, tspec
+        g = len(grid)
+        self.grid = (grid[0], grid[1] if g > 1 else 1, grid[2] if g > 2 else 1)
+        self.full = full
+        self.vary = vary
+        self.align = tuple(t.data_ptr() & 15 for t in tensors)
+        self.classes = tuple(tspec(t, align=True) for t in tensors) if tspec is not None else None
+
+    def __call__(self, *tensors) -> bool:
+        if not enabled or _compiling():
+            return False
+        current_device, current_stream, rt, _, tspec = _runtime()
+        fn = self.fn
+        if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook) or fn.pre_run_hooks:
+            return False
+        dev = self.dev
+        if current_device() != dev:
+            return False
+        for (name, _), (val, globals_dict) in fn.used_global_vals.items():
+            if globals_dict.get(name, _MISSING) != val:
+                return False
+        ptrs = [t.data_ptr() for t in tensors]
+        if tuple([ptr & 15 for ptr in ptrs]) != self.align:
+            return False
+        if self.classes is not None and tuple([tspec(t, align=True) for t in tensors]) != self.classes:
+            return False
+        full = self.full.copy()
+        for i, ptr in zip(self.vary, ptrs):
+            full[i] = ptr
+        k = self.k
+        gx, gy, gz = self.grid
+        k.run(gx, gy, gz, current_stream(dev), k.function, k.packed_metadata, None, None, None, *full)
+        return True
+
+
+def _launch(fn, grid, args, kwargs, vary):
+    """launch(); with ``vary`` a tuple of positions, also a Bound (or None) after the kernel."""
     if not enabled or fn.__class__.__name__ != "JITFunction" or callable(grid) or _compiling():
         # the interpreter's functions; and under torch.compile tracing Triton's own launch, which Dynamo traces
-        return fn[grid](*args, **kwargs)
+        return fn[grid](*args, **kwargs), None
     site = _SITES.get(fn)
     if site is None:
         site = _SITES[fn] = _Site(fn)
     current_device, current_stream, rt, comp, tspec = _runtime()
     if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook) or fn.pre_run_hooks:
-        return fn[grid](*args, **kwargs)
+        return fn[grid](*args, **kwargs), None
     names = site.names
     n = len(args)
     if n > len(names) or len(site.layouts) > MAX_KINDS:  # Triton says what is wrong
-        return fn[grid](*args, **kwargs)
+        return fn[grid](*args, **kwargs), None
     # keyword arguments (constexprs, options): by name and value, and their types (True is not 1)
     types = tuple(map(type, kwargs.values()))
     if not _SCALARS.issuperset(types):
-        return fn[grid](*args, **kwargs)
+        return fn[grid](*args, **kwargs), None
     try:
         tail = [kwargs[name] for name in names[n:]]
     except KeyError:
         defaults = site.defaults
         if not all(name in kwargs or name in defaults for name in names[n:]):  # Triton says what is missing
-            return fn[grid](*args, **kwargs)
+            return fn[grid](*args, **kwargs), None
         tail = [kwargs[name] if name in kwargs else defaults[name] for name in names[n:]]  # the site's own: no key
     # positional arguments: a tensor by dtype and 16-byte alignment (launched by its address), anything
     # else by type and value. Where the tensors sit among them is kept per sequence of argument types
@@ -180,7 +244,7 @@ def launch(fn, grid, *args, **kwargs):
     if layout is None:
         layout = _layout(ptypes, site.loose)
         if layout is None:  # an argument that is neither a tensor nor a plain value: Triton says what it is
-            return fn[grid](*args, **kwargs)
+            return fn[grid](*args, **kwargs), None
         site.layouts[ptypes] = layout
     tensors_of, exact_of, classed_of, where = layout
     tensors = tensors_of(args)
@@ -198,17 +262,18 @@ def launch(fn, grid, *args, **kwargs):
     try:
         k = site.kernels.get(key)
     except TypeError:  # an unhashable value: Triton's own path says what it makes of it
-        return fn[grid](*args, **kwargs)
+        return fn[grid](*args, **kwargs), None
     if k is None:
         k = fn[grid](*args, **kwargs)
         if k is not None and not hasattr(k, "result"):
             site.kernels[key] = k
             if len(site.kernels) > MAX_KINDS:
                 site.kernels.popitem(last=False)
-        return k
+            return k, _bound(k, fn, grid, full, tail, vary, args, dev, tspec)
+        return k, None
     for (name, _), (val, globals_dict) in fn.used_global_vals.items():  # jit.py:724-729
         if globals_dict.get(name, _MISSING) != val:
-            return fn[grid](*args, **kwargs)  # Triton raises its error
+            return fn[grid](*args, **kwargs), None  # Triton raises its error
     try:
         site.kernels.move_to_end(key)  # the least recently used kind is the first dropped
     except KeyError:  # dropped meanwhile by another thread: this launch is still right
@@ -216,4 +281,13 @@ def launch(fn, grid, *args, **kwargs):
     g = len(grid)
     k.run(grid[0], grid[1] if g > 1 else 1, grid[2] if g > 2 else 1, current_stream(dev), k.function,
           k.packed_metadata, None, None, None, *full, *tail)
-    return k
+    return k, _bound(k, fn, grid, full, tail, vary, args, dev, tspec)
+
+
+def _bound(k, fn, grid, full, tail, vary, args, dev, tspec):
+    if vary is None:
+        return None
+    tensors = [args[i] for i in vary]
+    if not all(isinstance(t, _Tensor) for t in tensors):
+        return None  # only tensors' addresses may vary
+    return Bound(k, fn, grid, full + tail, vary, tensors, dev, tspec)

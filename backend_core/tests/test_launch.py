@@ -310,3 +310,51 @@ def test_the_switch_is_on_with_cuda_opt_in_with_rocm_and_checked():
     assert run({"FLYDSL_BACKENDS_TRITON_DIRECT": "0"}).stdout.strip() == "False"
     bad = run({"FLYDSL_BACKENDS_TRITON_DIRECT": "yes"})
     assert bad.returncode != 0 and "FLYDSL_BACKENDS_TRITON_DIRECT='yes': expected 0 or 1" in bad.stderr
+
+
+def test_bound_launch_puts_in_new_addresses_and_keeps_the_rest(fake_runtime):
+    fn = JITFunction()
+    x = torch.zeros(64)
+    k, b = L.bind(fn, (3, 2), (0,), x, 16, 0.5, B=4, num_warps=2)  # first of its kind: compiled by Triton
+    assert fn.log[-1][0] == "triton" and isinstance(b, L.Bound)
+    y = torch.zeros(64)
+    assert b(y) is True
+    kind, a = fn.log[-1]
+    assert kind == "direct" and a[:9] == (3, 2, 1, 1234, "fn", "meta", None, None, None)
+    assert a[9:] == (y.data_ptr(), 16, 0.5, 4, 7)
+    # a direct launch binds too, and two bound launches share no argument list
+    k2, b2 = L.bind(fn, (3, 2), (0,), x, 16, 0.5, B=4, num_warps=2)
+    assert k2 is k and fn.log[-1][1][9] == x.data_ptr()
+    z = torch.zeros(64)
+    assert b2(z) and b(y)
+    assert fn.log[-2][1][9] == z.data_ptr() and fn.log[-1][1][9] == y.data_ptr()
+
+
+def test_bound_launch_refuses_what_the_key_would_tell_apart(fake_runtime, monkeypatch):
+    fn = JITFunction()
+    x = torch.zeros(64)
+    _, b = L.bind(fn, (1,), (0,), x, 16, 0.5, B=4)
+    n = len(fn.log)
+    assert b(x[1:]) is False  # another alignment: another compiled kernel
+    fake_runtime.launch_enter_hook = lambda *a: None  # a profiler
+    assert b(x) is False
+    fake_runtime.launch_enter_hook = None
+    monkeypatch.setattr(L, "enabled", False)
+    assert b(x) is False
+    monkeypatch.setattr(L, "enabled", True)
+    monkeypatch.setattr(L, "_RUNTIME", (lambda: 1, *L._RUNTIME[1:]))  # another current device
+    assert b(x) is False
+    assert len(fn.log) == n  # nothing launched by a refusal
+    # only tensors may vary; Triton's own launch (interpreter, hooks) gives no bound launch
+    assert L.bind(fn, (1,), (1,), x, 16, 0.5, B=4)[1] is None
+
+
+def test_bound_launch_refused_when_a_global_constant_changed(fake_runtime):
+    fn = JITFunction()
+    x = torch.zeros(64)
+    g = {"C": 1}
+    _, b = L.bind(fn, (1,), (0,), x, 16, 0.5, B=4)
+    fn.used_global_vals = {("C", None): (1, g)}
+    assert b(x) is True
+    g["C"] = 2
+    assert b(x) is False

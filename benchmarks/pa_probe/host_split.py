@@ -1,5 +1,6 @@
 """Where plan.run's host time goes with the direct launch (GPU machine; nothing here ships): the null
-implementation (validation and dispatch only), the Triton kernels through Triton's launch and directly, the
+implementation (validation and dispatch only), the Triton kernels through Triton's launch, directly, and bound (the plan's later layers: addresses put into
+a kept argument list, backend_core.launch.Bound), the
 direct path with the driver launcher stubbed out (this project's Python alone), and the launcher alone (Triton's
 CudaLauncher with the arguments ready). B=8, Hq=32, Hkv=8, D=128, context 1024, 128k-token table.
 ``--profile``: then a cProfile of the direct plan.run (the functions by their own time).
@@ -43,12 +44,16 @@ with null_kernels():
     print(f"null plan.run: {timed(lambda: plan.run(**args, out=out, backend='null')):.1f} us")
 plan = plan_decode(kw["block_tables"], kw["context_lengths"], backend="triton")
 run = lambda: plan.run(**args, out=out)  # noqa: E731
-for direct in (False, True, False, True):
-    launch.enabled = direct
+bound_call = launch.Bound.__call__
+for mode in ("Triton", "direct", "bound", "Triton", "direct", "bound"):
+    launch.enabled = mode != "Triton"
+    # "direct": every layer builds its argument list and launch key (the bound launches refused)
+    launch.Bound.__call__ = bound_call if mode == "bound" else (lambda self, *t: False)
     for _ in range(10):
         run()
-    print(f"triton plan.run, {'direct' if direct else 'Triton'} launch: {timed(run):.1f} us")
+    print(f"triton plan.run, {mode} launch: {timed(run):.1f} us")
 launch.enabled = True
+launch.Bound.__call__ = bound_call
 kernels = [k for site in launch._SITES.values() for k in site.kernels.values()]
 saved = [k._run for k in kernels]
 calls = []

@@ -273,3 +273,57 @@ def test_a_plan_refuses_a_batch_changed_in_place(change):
         bt.as_strided_(bt.shape, (1, bt.shape[0]))
     with pytest.raises(ValueError, match="make a new plan"):
         plan.run(*args)
+
+
+@pytest.mark.parametrize("kind", ["decode-queue", "decode-one-partition", "decode-split", "prefill"])
+@pytest.mark.gpu
+def test_later_layers_launch_bound_with_their_own_tensors(kind, monkeypatch):
+    """After a plan's first layer of a signature, the layers launch through backend_core.launch.Bound (only
+    the addresses of query, caches, scales and output put in): each layer's output equals a fresh plan's
+    run of that layer alone (which builds every argument), bit for bit, with each layer's own tensors."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from backend_core import launch as launch_mod
+
+    if not launch_mod.enabled:
+        pytest.skip("the direct launch is switched off (FLYDSL_BACKENDS_TRITON_DIRECT=0)")
+    taken = []
+    real_call = launch_mod.Bound.__call__
+
+    def counting(self, *tensors):
+        ok = real_call(self, *tensors)
+        taken.append(ok)
+        return ok
+
+    monkeypatch.setattr(launch_mod.Bound, "__call__", counting)
+    c = prefill_case() if kind == "prefill" else decode_case()
+    kw = c.kwargs
+    bt = widen(c)
+    opts = {"decode-queue": {}, "decode-one-partition": {"max_context": 130},
+            "decode-split": {"max_context": 100000}, "prefill": {}}[kind]
+
+    def make_plan():
+        if c.prefill:
+            return plan_prefill(bt, kw["query_start_loc"], kw["context_lengths"],
+                                query_start_loc_host=kw["query_start_loc"].tolist(), backend="triton", **opts)
+        return plan_decode(bt, kw["context_lengths"], backend="triton", **opts)
+
+    layers = []
+    for i in range(4):  # each layer its own buffers (clones at other addresses) and values
+        layers.append(dict(query=kw["query"] * (0.5 + 0.25 * i), key_cache=kw["key_cache"].clone(),
+                           value_cache=kw["value_cache"].clone(), key_scale=kw["key_scale"] * (1 + i),
+                           value_scale=kw["value_scale"] * (2.0 ** i)))
+    plan = make_plan()
+    outs = [torch.full_like(kw["query"], float("nan")) for _ in layers]
+    for step in range(2):  # the second step: every layer bound (the queue's grid is known after one launch)
+        for a, o in zip(layers, outs):
+            o.fill_(float("nan"))
+            plan.run(**a, out=o)
+    torch.cuda.synchronize()
+    for a, o in zip(layers, outs):
+        want = make_plan().run(**a, out=torch.full_like(o, float("nan")))
+        torch.cuda.synchronize()
+        assert torch.isfinite(want[:kw["query"].shape[0]]).any()
+        assert torch.equal(o, want)
+    assert sum(taken) >= len(layers), taken  # the second step went through the bound launches
+    assert all(taken), "a bound launch refused (alignment or runtime changed?)"

@@ -21,7 +21,7 @@ from typing import Tuple
 import torch
 
 from backend_core import platform
-from backend_core.launch import launch
+from backend_core.launch import bind, launch
 from ..contract import PAProblem, WriteProblem
 from ..fp8 import fp8_max, fp8_nan_byte
 from ..planner import (FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, QUEUE_SM_SLOTS, plan_partitions, task_queue, work_rows,
@@ -284,6 +284,8 @@ class _Launch:
         # kernel writes the output rows itself and the reduce is not launched (one launch per layer less)
         self.direct = not self.queue_mode and self.split.P == 1
         self.reduce_warps, self.reduce_unroll = reduce_warps(self.D, self.BM), reduce_unroll(self.D, self.BM)
+        # a plan's bound launches (backend_core.launch.bind) by layer signature; eager calls: none
+        self.bound = {} if plan is not None else None
 
 
 # programs per SM of each compiled partition kernel (platform.resident_programs), filled by its first
@@ -304,8 +306,6 @@ def launch_state(p: PAProblem) -> _Launch:
 
 
 def _run_attention(p: PAProblem) -> torch.Tensor:
-    from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel  # imports triton
-
     L = launch_state(p)
     if L.zero_rows is not None:
         p.out[:L.zero_rows[0]].zero_()
@@ -313,19 +313,29 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
     if L.items == 0:
         return p.out
     c = p.cache
+    kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
+    ws_m, ws_l, ws_acc = L.ws
+    sinks = p.sinks if p.sinks is not None else ws_m  # any fp32 pointer when there are none
+    # the later layers of a plan with this layer's signature (shapes, strides, dtypes, alignment, scalars):
+    # only the query, caches, scales, sinks and output change, so their addresses go into the bound launches'
+    # argument lists (no argument list or launch key built per layer)
+    bound = L.bound.get(p.layer_key) if L.bound is not None and p.layer_key is not None else None
+    if bound is not None and bound[0](p.query, kc, vc, ks, vs, sinks, p.out):
+        if bound[1] is not None:
+            _reduce(L, bound[1], sinks, p)
+        return p.out
+    from .pa_decode import pa_decode_partition_kernel  # imports triton
+
     chunks = L.chunks if L.chunks is not None else p.context_lengths
     sp = L.split
-    ws_m, ws_l, ws_acc = L.ws
-    kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
     grid = L.grid
     if grid is None:  # the queue: one wave of resident programs (an estimate until the kernel has run once)
         per_sm = _RESIDENT.get(L.resident_key)
         grid = (max(1, min(L.tasks, L.sms * (per_sm or platform.resident_programs(p.device, L.warps)))),)
         if per_sm:
             L.grid = grid
-    sinks = p.sinks if p.sinks is not None else ws_m  # any fp32 pointer when there are none
-    k = launch(
-        pa_decode_partition_kernel, grid,
+    k, part = bind(
+        pa_decode_partition_kernel, grid, _PARTITION_VARY,
         p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc, sinks, p.out, L.queue,
         L.items, sp.P, L.sms, p.softmax_scale, p.sliding_window, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens,
         sp.long_tokens,
@@ -344,25 +354,48 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
     )
     if L.queue_mode and L.resident_key not in _RESIDENT:
         _RESIDENT[L.resident_key] = platform.resident_programs(p.device, L.warps, k)
-    if L.direct:
-        return p.out
+    red = None
+    if not L.direct:
+        red = _reduce(L, None, sinks, p)
+        if red is None:
+            part = None  # both kernels bound or neither
+    if part is not None and L.bound is not None and p.layer_key is not None and L.grid is not None:
+        L.bound[p.layer_key] = (part, red)
+    return p.out
+
+
+# the partition kernel's arguments that change between the layers of a plan: query, key/value caches and
+# scales, sinks, output (the order of its parameters); the reduce kernel's: sinks, output
+_PARTITION_VARY = (0, 1, 2, 3, 4, 11, 12)
+_REDUCE_VARY = (3, 4)
+
+
+def _reduce(L: "_Launch", bound, sinks, p: PAProblem):
+    """The reduce launch of ``p`` (through ``bound`` when given and taken). Returns a Bound for the plan's
+    later layers, or None."""
+    from .pa_decode import pa_decode_reduce_kernel
+
+    c, sp = p.cache, L.split
     try:
-        launch(
-            pa_decode_reduce_kernel, (L.items, c.Hkv),
+        if bound is not None and bound(sinks, p.out):
+            return bound
+        ws_m, ws_l, ws_acc = L.ws
+        chunks = L.chunks if L.chunks is not None else p.context_lengths
+        return bind(
+            pa_decode_reduce_kernel, (L.items, c.Hkv), _REDUCE_VARY,
             ws_m, ws_l, ws_acc, sinks, p.out, p.context_lengths, chunks, L.queue,
             p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
             p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
             HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
             RAGGED=not p.is_decode, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots,
             UNROLL=L.reduce_unroll, num_warps=L.reduce_warps,
-        )
+        )[1]
     except BaseException:
         # the reduce zeroes the task counters the partition kernel just used; without it every later
         # launch on this device would find its queue drained and do nothing
         if L.queue_mode and not (p.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             L.queue.zero_()
         raise
-    return p.out
 
 
 def fp8_qk(device: torch.device, cache, BM: int) -> bool:
