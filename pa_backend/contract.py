@@ -122,6 +122,9 @@ class WriteProblem:
     value: torch.Tensor
     cache: KVCache
     slot_mapping: torch.Tensor  # [T]
+    # the call's check-memo key (prepare_write): every argument's address, shape, strides, dtype and device
+    # (a launch made for one key is right for every call with it; it may be unhashable)
+    memo_key: Optional[tuple] = None
 
     @property
     def device(self) -> torch.device:
@@ -429,11 +432,12 @@ def prepare_write(*, key, value, key_cache, value_cache, slot_mapping, key_scale
             arg_key(key_scale), arg_key(value_scale))
     hit = _CALL_MEMO.get(memo)
     if hit is not None:
-        return WriteProblem(key=key, value=value, slot_mapping=slot_mapping,
+        return WriteProblem(key=key, value=value, slot_mapping=slot_mapping, memo_key=memo,
                             cache=_cache_from_facts(key_cache, value_cache, key_scale, value_scale, hit))
     p = _prepare_write(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
                        key_scale=key_scale, value_scale=value_scale)
     _CALL_MEMO.put(memo, p.device, _cache_facts(p.cache))
+    p.memo_key = memo
     return p
 
 
