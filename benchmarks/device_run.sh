@@ -122,8 +122,9 @@ for step in $steps; do
     probe-short-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" PROBE_VARIANTS=tree,vllm
                            python3 benchmarks/pa_probe/short_probe.py "${PROBE_SECONDS:-300}") ;;
     # the host time of one layer's call through each adapter, the Triton kernels launched (integration_tests/*/host_time.py)
-    host-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" VLLM_TARGET_DEVICE=cpu python3 -m integration_tests.vllm.host_time 1000 --gpu) ;;
-    host-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m integration_tests.sglang.host_time 1000 --gpu) ;;
+    # (HOST_TIME_ARGS=--profile: a cProfile of the layer calls too)
+    host-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" VLLM_TARGET_DEVICE=cpu python3 -m integration_tests.vllm.host_time 1000 --gpu ${HOST_TIME_ARGS:-}) ;;
+    host-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m integration_tests.sglang.host_time 1000 --gpu ${HOST_TIME_ARGS:-}) ;;
     profile-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 benchmarks/pa_probe/engine_step_profile.py) ;;
     *) echo "unknown step $step"; rc=2; continue ;;
   esac
