@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-__all__ = ["CORRUPTIONS", "corrupt", "relaid", "fake_gpus", "amd_props", "nvidia_props", "clear_device_memos"]
+__all__ = ["CORRUPTIONS", "corrupt", "relaid", "fake_gpus", "amd_props", "nvidia_props", "clear_device_memos",
+           "bound_launches"]
 
 CORRUPTIONS = ("dtype", "drop_dim", "add_dim", "grow", "shrink", "transpose", "none", "list", "scalar", "strided",
                "alias")
@@ -176,3 +179,24 @@ def pretend_flydsl_device(monkeypatch, registry) -> None:
 
     monkeypatch.setattr(platform, "flydsl_device_ok", lambda device=None: (True, "stand-in AMD gfx950"))
     monkeypatch.setattr(registry.get("flydsl"), "_available_cache", (True, "stand-in"))
+
+
+@contextlib.contextmanager
+def bound_launches():
+    """While open, every call of a ``backend_core.launch.Bound`` appends whether it launched (True) or
+    refused (False) to the yielded list."""
+    from backend_core import launch
+
+    taken = []
+    real_call = launch.Bound.__call__
+
+    def counting(self, *tensors):
+        ok = real_call(self, *tensors)
+        taken.append(ok)
+        return ok
+
+    launch.Bound.__call__ = counting
+    try:
+        yield taken
+    finally:
+        launch.Bound.__call__ = real_call

@@ -278,23 +278,14 @@ def test_direct_launch_matches_triton_on_the_gpu():
     assert not torch.equal(caches[0][0], kw["key_cache"].view(torch.uint8))  # write_kv wrote
     # the same call twice (the same addresses: a server's layer step after step): the second launches the
     # kept launch of the first (pa_backend.triton's write launches, a Bound with nothing varying)
-    taken = []
-    real_call = L.Bound.__call__
-
-    def counting(self, *tensors):
-        ok = real_call(self, *tensors)
-        taken.append(ok)
-        return ok
+    from backend_core.testing import bound_launches
 
     kc, vc = kw["key_cache"].clone(), kw["value_cache"].clone()
-    L.Bound.__call__ = counting
-    try:
+    with bound_launches() as taken:
         for _ in range(2):
             kc.copy_(kw["key_cache"])
             vc.copy_(kw["value_cache"])
             write_kv(new[0], new[1], kc, vc, slots, kw["key_scale"], kw["value_scale"], backend="triton")
-    finally:
-        L.Bound.__call__ = real_call
     torch.cuda.synchronize()
     assert taken and all(taken)  # the second call at least (an address reused from a freed tensor: both)
     assert torch.equal(kc.view(torch.uint8), caches[0][0]) and torch.equal(vc.view(torch.uint8), caches[0][1])

@@ -277,7 +277,7 @@ def test_a_plan_refuses_a_batch_changed_in_place(change):
 
 @pytest.mark.parametrize("kind", ["decode-queue", "decode-one-partition", "decode-split", "prefill"])
 @pytest.mark.gpu
-def test_later_layers_launch_bound_with_their_own_tensors(kind, monkeypatch):
+def test_later_layers_launch_bound_with_their_own_tensors(kind):
     """After a plan's first layer of a signature, the layers launch through backend_core.launch.Bound (only
     the addresses of query, caches, scales and output put in): each layer's output equals a fresh plan's
     run of that layer alone (which builds every argument), bit for bit, with each layer's own tensors."""
@@ -287,15 +287,8 @@ def test_later_layers_launch_bound_with_their_own_tensors(kind, monkeypatch):
 
     if not launch_mod.enabled:
         pytest.skip("the direct launch is switched off (FLYDSL_BACKENDS_TRITON_DIRECT=0)")
-    taken = []
-    real_call = launch_mod.Bound.__call__
+    from backend_core.testing import bound_launches
 
-    def counting(self, *tensors):
-        ok = real_call(self, *tensors)
-        taken.append(ok)
-        return ok
-
-    monkeypatch.setattr(launch_mod.Bound, "__call__", counting)
     c = prefill_case() if kind == "prefill" else decode_case()
     kw = c.kwargs
     bt = widen(c)
@@ -315,10 +308,11 @@ def test_later_layers_launch_bound_with_their_own_tensors(kind, monkeypatch):
                            value_scale=kw["value_scale"] * (2.0 ** i)))
     plan = make_plan()
     outs = [torch.full_like(kw["query"], float("nan")) for _ in layers]
-    for step in range(2):  # the second step: every layer bound (the queue's grid is known after one launch)
-        for a, o in zip(layers, outs):
-            o.fill_(float("nan"))
-            plan.run(**a, out=o)
+    with bound_launches() as taken:
+        for step in range(2):  # the second step: every layer bound (the queue's grid is known after one launch)
+            for a, o in zip(layers, outs):
+                o.fill_(float("nan"))
+                plan.run(**a, out=o)
     torch.cuda.synchronize()
     for a, o in zip(layers, outs):
         want = make_plan().run(**a, out=torch.full_like(o, float("nan")))
