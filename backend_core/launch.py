@@ -170,13 +170,14 @@ class Bound:
     addresses: the same dtypes, shapes, strides and devices as at ``bind`` (a plan keys its bound launches
     on the layer's signature). Checked per call, and False returned without launching when one fails (the
     caller then launches in full): the switch still on and no tracing, no launch hook installed, the same
-    current device, the kernel's global constants unchanged, each tensor's address modulo 16 (and on AMD
-    its buffer class) as bound."""
+    current device, the same debug flags (the kernel's, ``TRITON_DEBUG``'s) and instrumentation mode, the
+    kernel's global constants unchanged, each tensor's address modulo 16 (and on AMD its buffer class) as
+    bound."""
 
-    __slots__ = ("k", "fn", "grid", "full", "vary", "align", "dev", "tspec", "classes")
+    __slots__ = ("k", "fn", "grid", "full", "vary", "align", "dev", "tspec", "classes", "debug")
 
-    def __init__(self, k, fn, grid, full, vary, tensors, dev, tspec):
-        self.k, self.fn, self.dev, self.tspec = k, fn, dev, tspec
+    def __init__(self, k, fn, grid, full, vary, tensors, dev, tspec, debug):
+        self.k, self.fn, self.dev, self.tspec, self.debug = k, fn, dev, tspec, debug
         g = len(grid)
         self.grid = (grid[0], grid[1] if g > 1 else 1, grid[2] if g > 2 else 1)
         self.full = full
@@ -187,9 +188,11 @@ class Bound:
     def __call__(self, *tensors) -> bool:
         if not enabled or _compiling():
             return False
-        current_device, current_stream, rt, _, tspec = _runtime()
+        current_device, current_stream, rt, comp, tspec = _runtime()
         fn = self.fn
         if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook) or fn.pre_run_hooks:
+            return False
+        if (fn.debug, rt.debug, comp.instrumentation_mode) != self.debug:  # another compiled kernel
             return False
         dev = self.dev
         if current_device() != dev:
@@ -269,7 +272,7 @@ def _launch(fn, grid, args, kwargs, vary):
             site.kernels[key] = k
             if len(site.kernels) > MAX_KINDS:
                 site.kernels.popitem(last=False)
-            return k, _bound(k, fn, grid, full, tail, vary, args, dev, tspec)
+            return k, _bound(k, fn, grid, full, tail, vary, args, dev, tspec, key[-3:])
         return k, None
     for (name, _), (val, globals_dict) in fn.used_global_vals.items():  # jit.py:724-729
         if globals_dict.get(name, _MISSING) != val:
@@ -281,13 +284,13 @@ def _launch(fn, grid, args, kwargs, vary):
     g = len(grid)
     k.run(grid[0], grid[1] if g > 1 else 1, grid[2] if g > 2 else 1, current_stream(dev), k.function,
           k.packed_metadata, None, None, None, *full, *tail)
-    return k, _bound(k, fn, grid, full, tail, vary, args, dev, tspec)
+    return k, _bound(k, fn, grid, full, tail, vary, args, dev, tspec, key[-3:])
 
 
-def _bound(k, fn, grid, full, tail, vary, args, dev, tspec):
+def _bound(k, fn, grid, full, tail, vary, args, dev, tspec, debug):
     if vary is None:
         return None
     tensors = [args[i] for i in vary]
     if not all(isinstance(t, _Tensor) for t in tensors):
         return None  # only tensors' addresses may vary
-    return Bound(k, fn, grid, full + tail, vary, tensors, dev, tspec)
+    return Bound(k, fn, grid, full + tail, vary, tensors, dev, tspec, debug)

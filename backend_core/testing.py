@@ -7,7 +7,7 @@ import contextlib
 import torch
 
 __all__ = ["CORRUPTIONS", "corrupt", "relaid", "fake_gpus", "amd_props", "nvidia_props", "clear_device_memos",
-           "bound_launches"]
+           "bound_launches", "kept_args_binder"]
 
 CORRUPTIONS = ("dtype", "drop_dim", "add_dim", "grow", "shrink", "transpose", "none", "list", "scalar", "strided",
                "alias")
@@ -200,3 +200,27 @@ def bound_launches():
         yield taken
     finally:
         launch.Bound.__call__ = real_call
+
+
+def kept_args_binder(taken: list):
+    """A stand-in for ``backend_core.launch.bind`` that runs on Triton's interpreter: the launch is made, and
+    the returned bound launch keeps every argument (tensors included) and puts in only the tensors at the
+    positions ``vary`` (appending True to ``taken`` per call). A position an implementation leaves out of
+    ``vary`` runs a later call on the first call's tensor, which a test comparing outputs sees."""
+
+    class KeptArgs:
+        def __init__(self, fn, grid, vary, args, kwargs):
+            self.fn, self.grid, self.vary, self.args, self.kwargs = fn, grid, vary, args, kwargs
+
+        def __call__(self, *tensors):
+            a = list(self.args)
+            for i, t in zip(self.vary, tensors):
+                a[i] = t
+            self.fn[self.grid](*a, **self.kwargs)
+            taken.append(True)
+            return True
+
+    def bind(fn, grid, vary, *args, **kwargs):
+        return fn[grid](*args, **kwargs), KeptArgs(fn, grid, vary, args, kwargs)
+
+    return bind

@@ -371,3 +371,22 @@ def test_bound_launch_refused_when_a_global_constant_changed(fake_runtime):
     assert b(x) is True
     g["C"] = 2
     assert b(x) is False
+
+
+def test_bound_launch_refused_after_a_debug_switch(fake_runtime):
+    """TRITON_DEBUG, the kernel's debug flag or the instrumentation mode changed: Triton compiles another
+    kernel, so a bound launch of the old one is refused."""
+    fn = JITFunction()
+    x = torch.zeros(64)
+    _, b = L.bind(fn, (1,), (0,), x, 16, 0.5, B=4)
+    assert b(x) is True
+    fake_runtime.debug = True
+    assert b(x) is False
+    fake_runtime.debug = False
+    fn.debug = True
+    assert b(x) is False
+    fn.debug = None
+    L._RUNTIME[3].instrumentation_mode = "consan"
+    assert b(x) is False
+    L._RUNTIME[3].instrumentation_mode = ""
+    assert b(x) is True

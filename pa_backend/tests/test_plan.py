@@ -275,25 +275,20 @@ def test_a_plan_refuses_a_batch_changed_in_place(change):
         plan.run(*args)
 
 
-@pytest.mark.parametrize("kind", ["decode-queue", "decode-one-partition", "decode-split", "prefill"])
-@pytest.mark.gpu
-def test_later_layers_launch_bound_with_their_own_tensors(kind):
-    """After a plan's first layer of a signature, the layers launch through backend_core.launch.Bound (only
-    the addresses of query, caches, scales and output put in): each layer's output equals a fresh plan's
-    run of that layer alone (which builds every argument), bit for bit, with each layer's own tensors."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from backend_core import launch as launch_mod
+BOUND_KINDS = ["decode-queue", "decode-one-partition", "decode-split", "prefill", "window-sinks-token"]
 
-    if not launch_mod.enabled:
-        pytest.skip("the direct launch is switched off (FLYDSL_BACKENDS_TRITON_DIRECT=0)")
-    from backend_core.testing import bound_launches
 
-    c = prefill_case() if kind == "prefill" else decode_case()
+def _layers_through_one_plan(kind, taken):
+    """Three layers of one signature through one plan, twice (two steps), each layer with its own query,
+    caches (K and / or V with their signs flipped: other values at other addresses), scales and sinks;
+    each layer's output must equal a fresh plan's run of that layer alone, which builds every argument.
+    ``taken``: what the bound launches returned meanwhile (at least the second step's layers)."""
+    c = (prefill_case() if kind == "prefill"
+         else decode_case(sliding_window=37, sinks=True, scales="token") if kind == "window-sinks-token"
+         else decode_case())
     kw = c.kwargs
     bt = widen(c)
-    opts = {"decode-queue": {}, "decode-one-partition": {"max_context": 130},
-            "decode-split": {"max_context": 100000}, "prefill": {}}[kind]
+    opts = {"decode-one-partition": {"max_context": 130}, "decode-split": {"max_context": 100000}}.get(kind, {})
 
     def make_plan():
         if c.prefill:
@@ -301,23 +296,60 @@ def test_later_layers_launch_bound_with_their_own_tensors(kind):
                                 query_start_loc_host=kw["query_start_loc"].tolist(), backend="triton", **opts)
         return plan_decode(bt, kw["context_lengths"], backend="triton", **opts)
 
+    def flipped(cache, flip):  # FP8 e4m3 with the sign bit flipped: the negated values (NaN stays NaN)
+        return (cache.view(torch.uint8) ^ 0x80).view(cache.dtype) if flip else cache.clone()
+
+    sinks = kw.get("sinks")
     layers = []
-    for i in range(4):  # each layer its own buffers (clones at other addresses) and values
-        layers.append(dict(query=kw["query"] * (0.5 + 0.25 * i), key_cache=kw["key_cache"].clone(),
-                           value_cache=kw["value_cache"].clone(), key_scale=kw["key_scale"] * (1 + i),
-                           value_scale=kw["value_scale"] * (2.0 ** i)))
+    for i in range(3):  # 1: K negated, 2: V negated
+        layers.append(dict(query=kw["query"] * (0.5 + 0.25 * i), key_cache=flipped(kw["key_cache"], i & 1),
+                           value_cache=flipped(kw["value_cache"], i & 2), key_scale=kw["key_scale"] * (1 + i),
+                           value_scale=kw["value_scale"] * (2.0 ** i), sliding_window=kw.get("sliding_window", 0),
+                           sinks=None if sinks is None else sinks + 0.5 * i))
     plan = make_plan()
     outs = [torch.full_like(kw["query"], float("nan")) for _ in layers]
-    with bound_launches() as taken:
-        for step in range(2):  # the second step: every layer bound (the queue's grid is known after one launch)
-            for a, o in zip(layers, outs):
-                o.fill_(float("nan"))
-                plan.run(**a, out=o)
-    torch.cuda.synchronize()
-    for a, o in zip(layers, outs):
-        want = make_plan().run(**a, out=torch.full_like(o, float("nan")))
+    for step in range(2):  # the second step: every layer bound (the queue's grid is known after one launch)
+        for a, o in zip(layers, outs):
+            o.fill_(float("nan"))
+            plan.run(**a, out=o)
+    n_bound = len(taken)
+    wants = [make_plan().run(**a, out=torch.full_like(o, float("nan"))) for a, o in zip(layers, outs)]
+    if DEVICE.type == "cuda":
         torch.cuda.synchronize()
-        assert torch.isfinite(want[:kw["query"].shape[0]]).any()
-        assert torch.equal(o, want)
-    assert sum(taken) >= len(layers), taken  # the second step went through the bound launches
-    assert all(taken), "a bound launch refused (alignment or runtime changed?)"
+    for i, (o, want) in enumerate(zip(outs, wants)):
+        assert torch.isfinite(want).all()
+        assert torch.equal(o, want), f"layer {i}"
+    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])  # the layers' values differ
+    assert sum(taken[:n_bound]) >= len(layers), taken  # the second step went through the bound launches
+    assert all(taken), "a bound launch refused"
+
+
+@pytest.mark.parametrize("kind", [k for k in BOUND_KINDS if k != "decode-split"])  # the queue has a reduce too
+def test_later_layers_launch_bound_with_their_own_tensors_interpreter(kind, monkeypatch):
+    """The plan's bound-launch wiring on the interpreter: ``bind`` replaced by a stand-in that keeps the first
+    call's arguments (tensors included) and puts in only the tensors at the positions the implementation says
+    vary; a position missing from them would run a later layer on the first layer's tensors."""
+    import pa_backend.triton as T
+
+    if not REGISTRY.get("triton").is_available()[0]:
+        pytest.skip("triton not usable here")
+    from backend_core.testing import kept_args_binder
+
+    taken = []
+    monkeypatch.setattr(T, "bind", kept_args_binder(taken))
+    _layers_through_one_plan(kind, taken)
+
+
+@pytest.mark.parametrize("kind", BOUND_KINDS)
+@pytest.mark.gpu
+def test_later_layers_launch_bound_with_their_own_tensors(kind):
+    """The same on the GPU with backend_core.launch.Bound (only the addresses put in)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from backend_core import launch as launch_mod
+    from backend_core.testing import bound_launches
+
+    if not launch_mod.enabled:
+        pytest.skip("the direct launch is switched off (FLYDSL_BACKENDS_TRITON_DIRECT=0)")
+    with bound_launches() as taken:
+        _layers_through_one_plan(kind, taken)

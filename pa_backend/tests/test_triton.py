@@ -170,6 +170,34 @@ def test_write_kv_bitwise_equal_to_reference(scales, v_layout, D, bs):
         assert torch.equal(a.kwargs[name].nan_to_num(7.0), b.kwargs[name].nan_to_num(7.0)), name
 
 
+def test_write_kv_kept_launches_follow_their_arguments(monkeypatch):
+    """write_kv keeps its launch per check-memo key (every argument's address, shape and strides): the same
+    call again uses the kept launch, a call with another key tensor makes its own. On the interpreter, with a
+    stand-in of ``bind`` that keeps the first call's tensors: the bytes still equal the reference writer's."""
+    import pa_backend.triton as T
+    from backend_core.testing import kept_args_binder
+    from pa_backend import write_kv
+
+    taken = []
+    monkeypatch.setattr(T, "bind", kept_args_binder(taken))
+    T._WRITE_LAUNCHES.clear()
+    a, b = (make_pa_case([0], spare_blocks=5, scales="token", D=64, Hkv=2, device=DEVICE) for _ in range(2))
+    g = torch.Generator().manual_seed(2)
+    keys = [(torch.randn(5, 2, 64, generator=g) * s).bfloat16().to(DEVICE) for s in (2.0, 5.0)]
+    value = torch.randn(5, 2, 64, generator=g).bfloat16().to(DEVICE)
+    slots = torch.tensor([0, 17, 18, 40, 63], device=DEVICE)
+    for key, refill in ((keys[0], None), (keys[0], [1, 2, 3, 4, 5]), (keys[1], None)):
+        if refill is not None:
+            slots.copy_(torch.tensor(refill))  # the same tensor, other values: read on the device
+        for case, backend in ((a, "torch"), (b, "triton")):
+            kw = case.kwargs
+            write_kv(key, value, kw["key_cache"], kw["value_cache"], slots, kw["key_scale"], kw["value_scale"],
+                     backend=backend)
+        for name in ("key_cache", "value_cache", "key_scale", "value_scale"):
+            assert torch.equal(a.kwargs[name].view(torch.uint8), b.kwargs[name].view(torch.uint8)), name
+    assert taken == [True]  # the second call only
+
+
 def test_context_past_the_table_reads_nothing_beyond_it():
     """A context longer than its table row is clamped to the row: the entries after it (here a
     poisoned next row pointing at a NaN page) are never read."""
