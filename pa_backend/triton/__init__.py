@@ -377,13 +377,13 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         QK8=L.qk8 and _aligned16(kc, vc),
         num_warps=L.warps, num_stages=L.stages, **L.launch_options,
     )
-    if L.queue_mode and L.resident_key not in _RESIDENT:
-        _RESIDENT[L.resident_key] = platform.resident_programs(p.device, L.warps, k)
     red = None
     if not L.direct:
-        red = _reduce(L, None, sinks, p)
+        red = _reduce(L, None, sinks, p)  # (the queue's counters are zeroed by it: launched before anything else)
         if red is None:
             part = None  # both kernels bound or neither
+    if L.queue_mode and L.resident_key not in _RESIDENT:
+        _RESIDENT[L.resident_key] = platform.resident_programs(p.device, L.warps, k)
     if part is not None and L.bound is not None and p.layer_key is not None and L.grid is not None:
         L.bound[p.layer_key] = (part, red)
     return p.out
