@@ -9,7 +9,7 @@ of microseconds of host time per launch (benchmarks/NOTES.md: ``plan.run`` 87 us
 9 us with null kernels).
 
 ``launch(kernel, grid, *args, **kwargs)`` takes the same arguments. ``bind(kernel, grid, vary, *args,
-**kwargs)`` launches as ``launch`` does and returns a ``Bound``: the same launch with only the tensors at the
+**kwargs)`` launches as ``launch`` does and returns ``(kernel, Bound or None)``, a ``Bound`` being the same launch with only the tensors at the
 positions ``vary`` changed (a plan's later layers, which differ only in their query, caches and output),
 which copies the kept argument list and puts the new addresses in, with no key built. The first call of each kind goes through
 Triton (which compiles, or finds its compiled kernel); the ``CompiledKernel`` it returns is kept under a key

@@ -183,8 +183,8 @@ def pretend_flydsl_device(monkeypatch, registry) -> None:
 
 @contextlib.contextmanager
 def bound_launches():
-    """While open, every call of a ``backend_core.launch.Bound`` appends whether it launched (True) or
-    refused (False) to the yielded list."""
+    """While open, every call of a ``backend_core.launch.Bound`` appends ``(kernel name, launched)`` to the
+    yielded list (launched False: refused)."""
     from backend_core import launch
 
     taken = []
@@ -192,7 +192,7 @@ def bound_launches():
 
     def counting(self, *tensors):
         ok = real_call(self, *tensors)
-        taken.append(ok)
+        taken.append((self.fn.__name__, ok))
         return ok
 
     launch.Bound.__call__ = counting
@@ -205,8 +205,9 @@ def bound_launches():
 def kept_args_binder(taken: list):
     """A stand-in for ``backend_core.launch.bind`` that runs on Triton's interpreter: the launch is made, and
     the returned bound launch keeps every argument (tensors included) and puts in only the tensors at the
-    positions ``vary`` (appending True to ``taken`` per call). A position an implementation leaves out of
-    ``vary`` runs a later call on the first call's tensor, which a test comparing outputs sees."""
+    positions ``vary`` (appending ``(kernel name, True)`` to ``taken`` per call). A position an implementation
+    leaves out of ``vary`` runs a later call on the first call's tensor, which a test comparing outputs sees
+    where the kernel reads that tensor."""
 
     class KeptArgs:
         def __init__(self, fn, grid, vary, args, kwargs):
@@ -217,7 +218,7 @@ def kept_args_binder(taken: list):
             for i, t in zip(self.vary, tensors):
                 a[i] = t
             self.fn[self.grid](*a, **self.kwargs)
-            taken.append(True)
+            taken.append((self.fn.__name__, True))
             return True
 
     def bind(fn, grid, vary, *args, **kwargs):

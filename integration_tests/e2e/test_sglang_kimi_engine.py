@@ -148,16 +148,20 @@ def _serve(model_dir, tmp, hook: bool, follow_up_base=None):
         # already disagrees with the scoring prefill by 0.6 nats on either ISA; with AVX2 all sequences of both
         # runs are identical (benchmarks/NOTES.md, fourteenth session)
         mp.setenv("ONEDNN_MAX_CPU_ISA", os.environ.get("ONEDNN_MAX_CPU_ISA", "AVX2"))
-    sglang_kimi.prepare(tmp / "platform", mp, count_path=calls, batch_path=batches, cuda=cuda)
-    import sglang
+    try:
+        sglang_kimi.prepare(tmp / "platform", mp, count_path=calls, batch_path=batches, cuda=cuda)
+        import sglang
 
-    kw = {"linear_attn_decode_backend": "flydsl"} if hook else {}
-    eng = sglang.Engine(model_path=str(model_dir), attention_backend="triton" if cuda else "torch_native",
-                        device="cuda" if cuda else "cpu",
-                        skip_tokenizer_init=True, dtype="bfloat16", random_seed=0, disable_cuda_graph=True,
-                        max_total_tokens=4096, max_mamba_cache_size=16, max_running_requests=MAX_RUNNING,
-                        disable_overlap_schedule=True, enable_mixed_chunk=True, log_level="warning",
-                        sleep_on_idle=True, **kw)
+        kw = {"linear_attn_decode_backend": "flydsl"} if hook else {}
+        eng = sglang.Engine(model_path=str(model_dir), attention_backend="triton" if cuda else "torch_native",
+                            device="cuda" if cuda else "cpu",
+                            skip_tokenizer_init=True, dtype="bfloat16", random_seed=0, disable_cuda_graph=True,
+                            max_total_tokens=4096, max_mamba_cache_size=16, max_running_requests=MAX_RUNNING,
+                            disable_overlap_schedule=True, enable_mixed_chunk=True, log_level="warning",
+                            sleep_on_idle=True, **kw)
+    except BaseException:
+        mp.undo()  # the environment of this test's engine (the ISA pin, the platform) is not left behind
+        raise
     phases = {}
 
     def phase(name, fn):

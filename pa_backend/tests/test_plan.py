@@ -275,20 +275,25 @@ def test_a_plan_refuses_a_batch_changed_in_place(change):
         plan.run(*args)
 
 
-BOUND_KINDS = ["decode-queue", "decode-one-partition", "decode-split", "prefill", "window-sinks-token"]
+BOUND_KINDS = ["decode-queue", "decode-one-partition", "decode-one-partition-sinks", "decode-split", "prefill",
+               "window-sinks-token"]
 
 
 def _layers_through_one_plan(kind, taken):
-    """Three layers of one signature through one plan, twice (two steps), each layer with its own query,
-    caches (K and / or V with their signs flipped: other values at other addresses), scales and sinks;
-    each layer's output must equal a fresh plan's run of that layer alone, which builds every argument.
-    ``taken``: what the bound launches returned meanwhile (at least the second step's layers)."""
+    """Four layers through one plan, twice (two steps). Layers 0-2 share one signature, each with its own
+    query, caches (K and / or V with their signs flipped: other values at other addresses), scales and
+    sinks; layer 3 is layer 0's tensors with another softmax scale (another signature: its own launches).
+    Each layer's output must equal a fresh plan's run of that layer alone, which builds every argument, and
+    in the second step every layer's partition launch must have gone through a bound launch.
+    ``taken``: the bound launches' (kernel name, launched) records."""
     c = (prefill_case() if kind == "prefill"
          else decode_case(sliding_window=37, sinks=True, scales="token") if kind == "window-sinks-token"
+         else decode_case(sinks=True) if kind == "decode-one-partition-sinks"
          else decode_case())
     kw = c.kwargs
     bt = widen(c)
-    opts = {"decode-one-partition": {"max_context": 130}, "decode-split": {"max_context": 100000}}.get(kind, {})
+    opts = {"decode-one-partition": {"max_context": 130}, "decode-one-partition-sinks": {"max_context": 130},
+            "decode-split": {"max_context": 100000}}.get(kind, {})
 
     def make_plan():
         if c.prefill:
@@ -306,22 +311,26 @@ def _layers_through_one_plan(kind, taken):
                            value_cache=flipped(kw["value_cache"], i & 2), key_scale=kw["key_scale"] * (1 + i),
                            value_scale=kw["value_scale"] * (2.0 ** i), sliding_window=kw.get("sliding_window", 0),
                            sinks=None if sinks is None else sinks + 0.5 * i))
+    layers.append(dict(layers[0], softmax_scale=0.05))
     plan = make_plan()
     outs = [torch.full_like(kw["query"], float("nan")) for _ in layers]
     for step in range(2):  # the second step: every layer bound (the queue's grid is known after one launch)
+        first = len(taken)
         for a, o in zip(layers, outs):
             o.fill_(float("nan"))
             plan.run(**a, out=o)
-    n_bound = len(taken)
+    second = taken[first:]
     wants = [make_plan().run(**a, out=torch.full_like(o, float("nan"))) for a, o in zip(layers, outs)]
     if DEVICE.type == "cuda":
         torch.cuda.synchronize()
     for i, (o, want) in enumerate(zip(outs, wants)):
         assert torch.isfinite(want).all()
         assert torch.equal(o, want), f"layer {i}"
-    assert not torch.equal(outs[0], outs[1]) and not torch.equal(outs[0], outs[2])  # the layers' values differ
-    assert sum(taken[:n_bound]) >= len(layers), taken  # the second step went through the bound launches
-    assert all(taken), "a bound launch refused"
+    for i in (1, 2, 3):
+        assert not torch.equal(outs[0], outs[i]), f"layer {i}: the layers' values differ"
+    partitions = [ok for name, ok in second if name == "pa_decode_partition_kernel"]
+    assert partitions == [True] * len(layers), second  # every layer of the second step, none refused
+    assert all(ok for _, ok in taken), taken
 
 
 @pytest.mark.parametrize("kind", [k for k in BOUND_KINDS if k != "decode-split"])  # the queue has a reduce too

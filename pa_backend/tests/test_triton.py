@@ -172,7 +172,8 @@ def test_write_kv_bitwise_equal_to_reference(scales, v_layout, D, bs):
 
 def test_write_kv_kept_launches_follow_their_arguments(monkeypatch):
     """write_kv keeps its launch per check-memo key (every argument's address, shape and strides): the same
-    call again uses the kept launch, a call with another key tensor makes its own. On the interpreter, with a
+    call again uses the kept launch (slot values refilled in place are read on the device), a call with any
+    other tensor (key, value, slots, caches and their scales) makes its own. On the interpreter, with a
     stand-in of ``bind`` that keeps the first call's tensors: the bytes still equal the reference writer's."""
     import pa_backend.triton as T
     from backend_core.testing import kept_args_binder
@@ -181,21 +182,25 @@ def test_write_kv_kept_launches_follow_their_arguments(monkeypatch):
     taken = []
     monkeypatch.setattr(T, "bind", kept_args_binder(taken))
     T._WRITE_LAUNCHES.clear()
-    a, b = (make_pa_case([0], spare_blocks=5, scales="token", D=64, Hkv=2, device=DEVICE) for _ in range(2))
+    pairs = [tuple(make_pa_case([0], spare_blocks=5, scales="token", D=64, Hkv=2, device=DEVICE) for _ in range(2))
+             for _ in range(2)]  # (reference, triton) caches, twice
     g = torch.Generator().manual_seed(2)
     keys = [(torch.randn(5, 2, 64, generator=g) * s).bfloat16().to(DEVICE) for s in (2.0, 5.0)]
-    value = torch.randn(5, 2, 64, generator=g).bfloat16().to(DEVICE)
-    slots = torch.tensor([0, 17, 18, 40, 63], device=DEVICE)
-    for key, refill in ((keys[0], None), (keys[0], [1, 2, 3, 4, 5]), (keys[1], None)):
+    values = [torch.randn(5, 2, 64, generator=g).bfloat16().to(DEVICE) for _ in range(2)]
+    slots = [torch.tensor([0, 17, 18, 40, 63], device=DEVICE), torch.tensor([5, 6, 7, 8, 9], device=DEVICE)]
+    calls = [(0, 0, 0, 0, None), (0, 0, 0, 0, [1, 2, 3, 4, 70]),  # the same call; then its slots refilled
+             (1, 0, 0, 0, None), (0, 1, 0, 0, None), (0, 0, 1, 0, None), (0, 0, 0, 1, None)]
+    for k, v, sl, cache, refill in calls:
         if refill is not None:
-            slots.copy_(torch.tensor(refill))  # the same tensor, other values: read on the device
-        for case, backend in ((a, "torch"), (b, "triton")):
+            slots[sl].copy_(torch.tensor(refill))
+        for case, backend in zip(pairs[cache], ("torch", "triton")):
             kw = case.kwargs
-            write_kv(key, value, kw["key_cache"], kw["value_cache"], slots, kw["key_scale"], kw["value_scale"],
-                     backend=backend)
+            write_kv(keys[k], values[v], kw["key_cache"], kw["value_cache"], slots[sl], kw["key_scale"],
+                     kw["value_scale"], backend=backend)
+        a, b = pairs[cache]
         for name in ("key_cache", "value_cache", "key_scale", "value_scale"):
-            assert torch.equal(a.kwargs[name].view(torch.uint8), b.kwargs[name].view(torch.uint8)), name
-    assert taken == [True]  # the second call only
+            assert torch.equal(a.kwargs[name].view(torch.uint8), b.kwargs[name].view(torch.uint8)), (name, k, v, sl)
+    assert [ok for _, ok in taken] == [True]  # the repeated call only
 
 
 def test_context_past_the_table_reads_nothing_beyond_it():
