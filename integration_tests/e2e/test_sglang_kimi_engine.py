@@ -145,8 +145,9 @@ def _serve(model_dir, tmp, hook: bool, follow_up_base=None):
         # AVX512 (BF16) kernels round differently and this tiny model follows (hook off, AVX512 vs AVX2: 5/6,
         # 2/3, 5/6 identical sequences per phase). On such a CPU (AMD EPYC, avx512_bf16; 2026-12-05) the mixed
         # phase's prompt 2 chose another token at its 9th position with the hook on, where SGLang's own decode
-        # already disagrees with the scoring prefill by 0.6 nats on either ISA; with AVX2 all sequences of both
-        # runs are identical (benchmarks/NOTES.md, fourteenth session)
+        # already disagrees with the scoring prefill by 0.6 nats on either ISA: in the decode's own logits 215 and
+        # 349 were tied (hook on) or 0.03 nats apart (hook off). With AVX2 all sequences of both runs are
+        # identical (benchmarks/NOTES.md, fourteenth session)
         mp.setenv("ONEDNN_MAX_CPU_ISA", os.environ.get("ONEDNN_MAX_CPU_ISA", "AVX2"))
     try:
         sglang_kimi.prepare(tmp / "platform", mp, count_path=calls, batch_path=batches, cuda=cuda)
