@@ -9,9 +9,10 @@ of microseconds of host time per launch (benchmarks/NOTES.md: ``plan.run`` 87 us
 9 us with null kernels).
 
 ``launch(kernel, grid, *args, **kwargs)`` takes the same arguments. ``bind(kernel, grid, vary, *args,
-**kwargs)`` launches as ``launch`` does and returns ``(kernel, Bound or None)``, a ``Bound`` being the same launch with only the tensors at the
-positions ``vary`` changed (a plan's later layers, which differ only in their query, caches and output),
-which copies the kept argument list and puts the new addresses in, with no key built. The first call of each kind goes through
+**kwargs)`` launches as ``launch`` does and returns ``(kernel, Bound or None)``, a ``Bound`` being the same
+launch with only the tensors at the positions ``vary`` changed (a plan's later layers, which differ only in
+their query, caches and output): it copies the kept argument list and puts the new addresses in, with no
+key built. The first call of each kind goes through
 Triton (which compiles, or finds its compiled kernel); the ``CompiledKernel`` it returns is kept under a key
 that holds everything Triton specializes on, and later calls with an equal key launch it through the
 driver launcher directly, with the tensors passed as their addresses. The key is conservative: the
@@ -124,6 +125,17 @@ def _hooked(h):
     return h is not None and bool(getattr(h, "calls", True))
 
 
+def _passes_through_triton(fn, rt) -> bool:
+    """A launch hook installed (profilers) or a kernel's pre-run hook: Triton's own launch runs them."""
+    return _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook) or bool(fn.pre_run_hooks)
+
+
+def _globals_changed(fn) -> bool:
+    """A global constant the kernel read changed since it was compiled (jit.py:724-729: Triton raises)."""
+    return any(globals_dict.get(name, _MISSING) != val
+               for (name, _), (val, globals_dict) in fn.used_global_vals.items())
+
+
 def _runtime():
     global _RUNTIME
     if _RUNTIME is None:
@@ -190,16 +202,13 @@ class Bound:
             return False
         current_device, current_stream, rt, comp, tspec = _runtime()
         fn = self.fn
-        if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook) or fn.pre_run_hooks:
+        if _passes_through_triton(fn, rt):
             return False
         if (fn.debug, rt.debug, comp.instrumentation_mode) != self.debug:  # another compiled kernel
             return False
         dev = self.dev
-        if current_device() != dev:
+        if current_device() != dev or _globals_changed(fn):
             return False
-        for (name, _), (val, globals_dict) in fn.used_global_vals.items():
-            if globals_dict.get(name, _MISSING) != val:
-                return False
         ptrs = [t.data_ptr() for t in tensors]
         if tuple([ptr & 15 for ptr in ptrs]) != self.align:
             return False
@@ -223,7 +232,7 @@ def _launch(fn, grid, args, kwargs, vary):
     if site is None:
         site = _SITES[fn] = _Site(fn)
     current_device, current_stream, rt, comp, tspec = _runtime()
-    if _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook) or fn.pre_run_hooks:
+    if _passes_through_triton(fn, rt):
         return fn[grid](*args, **kwargs), None
     names = site.names
     n = len(args)
@@ -274,9 +283,8 @@ def _launch(fn, grid, args, kwargs, vary):
                 site.kernels.popitem(last=False)
             return k, _bound(k, fn, grid, full, tail, vary, args, dev, tspec, key[-3:])
         return k, None
-    for (name, _), (val, globals_dict) in fn.used_global_vals.items():  # jit.py:724-729
-        if globals_dict.get(name, _MISSING) != val:
-            return fn[grid](*args, **kwargs), None  # Triton raises its error
+    if _globals_changed(fn):
+        return fn[grid](*args, **kwargs), None  # Triton raises its error
     try:
         site.kernels.move_to_end(key)  # the least recently used kind is the first dropped
     except KeyError:  # dropped meanwhile by another thread: this launch is still right

@@ -297,15 +297,20 @@ class CheckMemo:
                 pass
         return hit
 
-    def put(self, key: tuple, device: torch.device, facts: tuple) -> None:
+    def clear(self) -> None:
+        self._items.clear()
+
+    def put(self, key: tuple, device: torch.device, facts) -> bool:
+        """Store ``facts`` under ``key``; False when not stored (a meta device, an unhashable key)."""
         if device.type == "meta":
-            return
+            return False
         try:
             self._items[key] = facts
         except TypeError:  # an unhashable argument (its call was checked in full)
-            return
+            return False
         while len(self._items) > self.size:
             try:
                 self._items.popitem(last=False)
             except KeyError:
                 break
+        return True

@@ -123,7 +123,7 @@ class WriteProblem:
     cache: KVCache
     slot_mapping: torch.Tensor  # [T]
     # the call's check-memo key (prepare_write): every argument's address, shape, strides, dtype and device
-    # (a launch made for one key is right for every call with it; it may be unhashable)
+    # (a launch made for one key is right for every call with it); None where the memo could not keep it
     memo_key: Optional[tuple] = None
 
     @property
@@ -436,8 +436,8 @@ def prepare_write(*, key, value, key_cache, value_cache, slot_mapping, key_scale
                             cache=_cache_from_facts(key_cache, value_cache, key_scale, value_scale, hit))
     p = _prepare_write(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
                        key_scale=key_scale, value_scale=value_scale)
-    _CALL_MEMO.put(memo, p.device, _cache_facts(p.cache))
-    p.memo_key = memo
+    if _CALL_MEMO.put(memo, p.device, _cache_facts(p.cache)):
+        p.memo_key = memo
     return p
 
 

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import functools
 import os
-from collections import OrderedDict
 from typing import Tuple
 
 import torch
 
 from backend_core import platform
 from backend_core.launch import bind
+from backend_core.validation import CheckMemo
 from ..contract import PAProblem, WriteProblem
 from ..fp8 import fp8_max, fp8_nan_byte
 from ..planner import (FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, QUEUE_SM_SLOTS, plan_partitions, task_queue, work_rows,
@@ -184,15 +184,8 @@ def _run_write(p: WriteProblem) -> None:
         return None
     # a call with the same addresses, shapes and strides as an earlier one (a server's layers, step after
     # step): the launch made for it again, every argument kept (backend_core.launch.Bound)
-    try:
-        bound = _WRITE_LAUNCHES.get(p.memo_key) if p.memo_key is not None else None
-    except TypeError:  # an unhashable key
-        bound = None
+    bound = _WRITE_LAUNCHES.get(p.memo_key) if p.memo_key is not None else None
     if bound is not None and bound():
-        try:
-            _WRITE_LAUNCHES.move_to_end(p.memo_key)
-        except KeyError:  # dropped meanwhile by another thread
-            pass
         return None
     kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
     _, bound = bind(
@@ -207,18 +200,12 @@ def _run_write(p: WriteProblem) -> None:
         V5D=c.v_transposed, K_PER_TOKEN=c.k_per_token, V_PER_TOKEN=c.v_per_token, num_warps=1 if c.D <= 128 else 2,
     )
     if bound is not None and p.memo_key is not None:
-        try:
-            _WRITE_LAUNCHES[p.memo_key] = bound
-        except TypeError:
-            return None
-        while len(_WRITE_LAUNCHES) > _WRITE_LAUNCHES_KEPT:
-            _WRITE_LAUNCHES.popitem(last=False)
+        _WRITE_LAUNCHES.put(p.memo_key, p.device, bound)
     return None
 
 
 # write_kv's launches by check-memo key (least recently used dropped first); a Bound holds no tensor
-_WRITE_LAUNCHES: "OrderedDict[tuple, object]" = OrderedDict()
-_WRITE_LAUNCHES_KEPT = 1024
+_WRITE_LAUNCHES = CheckMemo(1024)
 
 
 def prefill_chunks(qsl, rows_per_chunk: int):
