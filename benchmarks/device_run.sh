@@ -104,7 +104,7 @@ for step in $steps; do
     # H200 at 2000 steps; ACCURACY_STEPS overrides the count)
     accuracy-kda|accuracy-pa) cmd=(python3 -m flydsl_backends accuracy --op "${step#accuracy-}"
                                    ${ACCURACY_STEPS:+--steps "$ACCURACY_STEPS"}) ;;
-    bench-kda|bench-pa) cmd=(python3 -m flydsl_backends bench "${step#bench-}" --out "$out/${step#bench-}_bench.csv") ;;
+    bench-kda|bench-pa) cmd=(python3 -m flydsl_backends bench "${step#bench-}" --out "$out/${step#bench-}_bench.csv" ${BENCH_ARGS:-}) ;;
     # the paged decode with the one-warp program's register cap lowered (benchmarks/NOTES.md, ninth session);
     # no gather + SDPA baseline (the cap does not change it: bench-pa times it)
     bench-pa-nreg*) cmd=(env FLYDSL_BACKENDS_PA_TRITON_MAXNREG="${step#bench-pa-nreg}" python3 -m flydsl_backends bench pa

@@ -29,7 +29,7 @@ from backend_core.timing import bench_context, result_row, time_cuda_graph, time
 from .verify import ACCURACY_TARGET
 
 __all__ = ["bench_case", "gather_sdpa", "run_bench", "accuracy", "DEFAULT_CONFIGS", "PREFILL_CONFIGS", "kv_bytes",
-           "mixed_lengths", "null_kernels", "host_overhead"]
+           "mixed_lengths", "null_kernels", "host_overhead", "layer_sets"]
 
 TABLE_TOKENS = 1 << 17  # a server's max-model-len (vLLM's block_table_tensor, SGLang's req_to_token width)
 
@@ -177,6 +177,20 @@ def _baseline_fits(B: int, ctx: int, Hkv: int, D: int, ql: int, Hq: int) -> Tupl
     return True, ""
 
 
+def layer_sets(args: Dict[str, torch.Tensor], calls: int, share: float = 0.4,
+               free: Optional[int] = None) -> List[Dict[str, torch.Tensor]]:
+    """The op arguments of up to ``calls`` layers: ``args`` itself, then copies with their own caches
+    (and per-token scales, queries), as many as fit in ``share`` of the free device memory (``free``
+    bytes; default: what the device reports, 0 off CUDA). A graph that cycles over them reads each
+    layer's pages as a model step does, instead of one cache again. 0-d tensors (per-tensor scales)
+    are shared."""
+    per_layer = sum(t.numel() * t.element_size() for t in args.values() if t.dim() > 0)
+    if free is None:
+        free = torch.cuda.mem_get_info(args["query"].device)[0] if args["query"].is_cuda else 0
+    n = max(1, min(calls, 1 + int(share * free // max(per_layer, 1))))
+    return [args] + [{k: (t.clone() if t.dim() > 0 else t) for k, t in args.items()} for _ in range(n - 1)]
+
+
 # host-time rows' suffix by host_overhead's direct_launch (None: the launch as set)
 _LAUNCH_LABEL = {None: "", False: " (Triton's launch)", True: " (direct launch)"}
 
@@ -313,6 +327,10 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
                  + (f" prefix={ctx}" if prefill else "") + (" mixed" if mixed else "") + (" exact" if not width else ""))
         out = torch.empty_like(kw["query"])
         args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+        # a graph replays calls_per_graph calls as a model step replays its layers: each call reads its own
+        # layer's caches (as many copies as fit), so no call finds the previous call's pages in L2
+        layers = layer_sets(args, calls_per_graph)
+        outs = [out] + [torch.empty_like(out) for _ in layers[1:]]
         fns = {}
         for impl in impls:
             if prefill:
@@ -320,17 +338,18 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
                 # SGLang's seq_lens_cpu), which they hold on the host: so does the bench
                 plan = plan_prefill(kw["block_tables"], kw["query_start_loc"], kw["context_lengths"],
                                     query_start_loc_host=qsl_host, max_context=total, backend=impl)
-                fns[impl] = ("graph", lambda i, plan=plan: plan.run(**args, out=out))
             else:
                 plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=new, backend=impl)
-                fns[impl] = ("graph", lambda i, plan=plan: plan.run(**args, out=out))
+            fns[impl] = ("graph", lambda i, plan=plan: plan.run(**layers[i % len(layers)], out=outs[i % len(layers)]))
+            if not prefill:
                 fns[impl + "_eager"] = ("eager", lambda i, impl=impl: pa_decode(
                     **args, block_tables=kw["block_tables"], context_lengths=kw["context_lengths"], query_length=new,
                     out=out, backend=impl))
         if baseline and not mixed and total % bs == 0:
             fits, why = _baseline_fits(B, total, Hkv, D, new, Hq)
             if fits:
-                fns["torch_gather_sdpa"] = ("graph", lambda i: gather_sdpa(**{**kw, "query_length": new, "ctx": total}))
+                fns["torch_gather_sdpa"] = ("graph", lambda i: gather_sdpa(
+                    **{**kw, **layers[i % len(layers)], "query_length": new, "ctx": total}))
             else:
                 progress(f"  {shape}: torch_gather_sdpa skipped ({why})")
         line = f"  {op} {shape}:"
@@ -349,11 +368,12 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
             note = (f"rel_err={err:.2e} ({ok} {ACCURACY_TARGET:g}; first 2 sequences vs float64 reference); "
                     + (f"{tflops:.1f} TFLOP/s; " if flops else "")
                     + f"logical bytes = FP8 K+V (+ per-token scales) read once; {mode} timing"
-                    + (f" ({calls_per_graph} calls per replay)" if mode == "graph" else "") + f"; table {tw} tokens")
+                    + (f" ({calls_per_graph} calls per replay, {len(layers)} layers' caches)" if mode == "graph"
+                       else "") + f"; table {tw} tokens")
             rows.append(result_row(run, op, name, shape, t, nbytes, note))
             line += f" {name} {t.median_us:.1f} us ({100 * gbps / copy:.0f}% of copy, err {err:.1e})"
         progress(line)
-        del kw, out, fns
+        del kw, out, outs, fns, layers
         torch.cuda.empty_cache()
     # host time of one layer's call (small batch: the GPU keeps up, the host is what is measured)
     kw = bench_case(8, 1024, 1, 32, 8, 128, 16, "tensor", dev, table_tokens=table_tokens)

@@ -129,6 +129,29 @@ def test_benchmark_prefill_baseline_and_accuracy():
     assert ((base - ref.double()).norm() / ref.double().norm()).item() < 2e-2
 
 
+def test_bench_layer_sets_copy_what_fits():
+    """The bench's graph rows cycle over layers with their own caches: as many copies as fit in the
+    given share of free memory, at most one per call; each copy its own storage with the same values,
+    0-d scales shared; nothing to copy into off CUDA (free 0)."""
+    from pa_backend.benchmark import bench_case, layer_sets
+
+    kw = bench_case(2, 48, 1, 4, 2, 64, 16, "token", "cpu")
+    args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+    per = sum(t.numel() * t.element_size() for t in args.values())
+    assert layer_sets(args, 16) == [args]  # CPU: free 0
+    assert len(layer_sets(args, 16, share=1.0, free=3 * per + per // 2)) == 4
+    assert len(layer_sets(args, 2, share=1.0, free=10 * per)) == 2
+    sets = layer_sets(args, 3, share=0.5, free=10 * per)
+    assert len(sets) == 3 and sets[0] is args
+    for other in sets[1:]:
+        for k, t in args.items():
+            assert other[k].data_ptr() != t.data_ptr() and torch.equal(other[k].view(torch.uint8), t.view(torch.uint8))
+    kt = bench_case(2, 48, 1, 4, 2, 64, 16, "tensor", "cpu")
+    tensor_args = {k: kt[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+    two = layer_sets(tensor_args, 2, share=1.0, free=1 << 30)
+    assert two[1]["key_scale"] is tensor_args["key_scale"] and two[1]["key_cache"] is not tensor_args["key_cache"]
+
+
 def test_bench_rejects_zero_calls_per_graph():
     """``bench pa --calls-per-graph 0`` is refused before anything runs (no GPU needed)."""
     from pa_backend.benchmark import run_bench
