@@ -3,7 +3,7 @@ planner's programs per SM, each setting checked against the float64 reference be
 Question: do one- or two-warp programs (no cross-warp reductions or barriers per tile, 11-12
 programs per SM by registers) keep more bytes in flight than the shipped 4-warp BT 32 program?
 Run on the GPU machine from the repo root: python3 benchmarks/pa_probe/warps_probe.py [max_seconds]
-(PROBE_SETTINGS="pps/warps/stages/bt[/few];..." overrides the list; PROBE_CONFIGS indexes DEFAULT_CONFIGS)."""
+(PROBE_SETTINGS="pps/warps/stages/bt[/few[/maxnreg]];..." overrides the list; PROBE_CONFIGS indexes DEFAULT_CONFIGS)."""
 import os
 import sys
 import time
@@ -27,7 +27,7 @@ DEFAULT = ("16/4/5/32;16/1/5/16;32/1/5/16;16/1/7/16;16/1/5/32;32/1/5/32;16/1/7/3
 settings = [() if s == "default" else tuple(int(x) for x in s.split("/"))
             for s in os.environ.get("PROBE_SETTINGS", DEFAULT).split(";") if s]
 ENV = ("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", "FLYDSL_BACKENDS_PA_TRITON_WARPS", "FLYDSL_BACKENDS_PA_TRITON_STAGES",
-       "FLYDSL_BACKENDS_PA_TRITON_BT", "FLYDSL_BACKENDS_PA_FEW_PROGRAMS_PER_SM")
+       "FLYDSL_BACKENDS_PA_TRITON_BT", "FLYDSL_BACKENDS_PA_FEW_PROGRAMS_PER_SM", "FLYDSL_BACKENDS_PA_TRITON_MAXNREG")
 for ci in [int(i) for i in os.environ.get("PROBE_CONFIGS", "0,1,2,3").split(",")]:
     B, ctx, ql, Hq, Hkv, D, bs, scales = DEFAULT_CONFIGS[ci]
     kw = bench_case(B, ctx, ql, Hq, Hkv, D, bs, scales, "cuda", table_tokens=TABLE_TOKENS)

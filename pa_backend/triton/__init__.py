@@ -289,7 +289,8 @@ class _Launch:
         self.qk8 = fp8_qk(p.device, c, self.BM)
         # per-SM program counters (NVIDIA: %smid): a power of two >= the SM count
         self.sm_slots = min(1 << (self.sms - 1).bit_length(), QUEUE_SM_SLOTS) if self.v_maxnum else 0
-        cap = register_cap(self.warps) if self.v_maxnum and self.queue_mode else None  # NVIDIA, the queue loop
+        # NVIDIA: the queue loop's cap; multi-warp programs only under the tuning override (none by default)
+        cap = register_cap(self.warps) if self.v_maxnum and (self.queue_mode or self.warps > 1) else None
         self.launch_options = {"maxnreg": cap} if cap else {}
         self.grid = None if self.queue_mode else (self.items, c.Hkv, self.split.P)  # queue: set on first launch
         # one partition per item (a plan bounded by a short max context, or a narrow table): the partition
