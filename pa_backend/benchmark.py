@@ -282,12 +282,12 @@ def null_kernels():
 
 def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] = ("triton",), trials: int = 30,
               baseline: bool = True, prefill_configs: Sequence[Tuple] = PREFILL_CONFIGS,
-              table_tokens: int = TABLE_TOKENS, progress=print, calls_per_graph: int = 2) -> List[Dict[str, object]]:
+              table_tokens: int = TABLE_TOKENS, progress=print, calls_per_graph: int = 16) -> List[Dict[str, object]]:
     """Decode rows (graph replay of a shape-only plan, and eager), the exact-width and mixed-batch
     cases, prefill rows (graph replay of a planned batch) and the per-layer host time; each
     implementation's accuracy in the notes. A graph row's time is one replay of ``calls_per_graph``
-    captured calls divided by that count: each call carries that share of the graph's launch (a
-    server's decode step captures every layer in one graph)."""
+    captured calls divided by that count, each call on its own layer's caches (``layer_sets``): each
+    carries that share of the graph's launch, as the layers of a server's decode step do."""
     if calls_per_graph < 1:
         raise ValueError(f"calls_per_graph must be >= 1, got {calls_per_graph}")
     from . import REGISTRY, pa_decode, plan_decode, plan_prefill
@@ -401,9 +401,10 @@ def add_bench_args(parser) -> None:
     parser.add_argument("--no-baseline", action="store_true", help="pa: skip the torch gather + SDPA baseline")
     parser.add_argument("--table-tokens", type=int, default=TABLE_TOKENS,
                         help=f"pa: block-table width in tokens (a server's max-model-len; default {TABLE_TOKENS})")
-    parser.add_argument("--calls-per-graph", type=int, default=2,
-                        help="pa: calls captured per CUDA graph (each graph row is one replay / this count; a "
-                             "server's step captures every layer, so a larger count is closer to serving; default 2)")
+    parser.add_argument("--calls-per-graph", type=int, default=16,
+                        help="pa: calls captured per CUDA graph, each reading its own layer's caches (each graph row "
+                             "is one replay / this count; a server's step replays every layer in one graph; "
+                             "default 16)")
     parser.add_argument("--host", action="store_true",
                         help="pa: only the per-layer host time (plan.run, the eager op, write_kv); runs on CPU too "
                              "(null kernels; on a GPU also the Triton kernels)")
