@@ -169,12 +169,14 @@ def accuracy(kw: Dict[str, object], out: torch.Tensor, seqs: int = 2) -> float:
     return ((out[:rows].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 
-def _baseline_fits(B: int, ctx: int, Hkv: int, D: int, ql: int, Hq: int) -> Tuple[bool, str]:
+def _baseline_fits(B: int, ctx: int, Hkv: int, D: int, ql: int, Hq: int) -> Tuple[bool, str, int]:
+    """(fits, why not, the free bytes to keep for it): the baseline's temporaries must take at most 60% of
+    the free memory."""
     need = 8 * B * ctx * Hkv * D + 4 * B * Hq * ql * ctx  # bf16 K, V and their dequantized copies; the scores
     free = torch.cuda.mem_get_info()[0]
     if need > 0.6 * free:
-        return False, f"baseline needs ~{need / 2**30:.0f} GiB of temporaries, {free / 2**30:.0f} GiB free"
-    return True, ""
+        return False, f"baseline needs ~{need / 2**30:.0f} GiB of temporaries, {free / 2**30:.0f} GiB free", 0
+    return True, "", int(need / 0.6)
 
 
 def layer_sets(args: Dict[str, torch.Tensor], calls: int, share: float = 0.4,
@@ -327,9 +329,12 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
                  + (f" prefix={ctx}" if prefill else "") + (" mixed" if mixed else "") + (" exact" if not width else ""))
         out = torch.empty_like(kw["query"])
         args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
+        base, why, keep = (_baseline_fits(B, total, Hkv, D, new, Hq) if baseline and not mixed and total % bs == 0
+                           else (False, "", 0))
         # a graph replays calls_per_graph calls as a model step replays its layers: each call reads its own
-        # layer's caches (as many copies as fit), so no call finds the previous call's pages in L2
-        layers = layer_sets(args, calls_per_graph)
+        # layer's caches (as many copies as fit beside the baseline's temporaries), so no call finds the
+        # previous call's pages in L2
+        layers = layer_sets(args, calls_per_graph, free=max(0, torch.cuda.mem_get_info(dev)[0] - keep))
         outs = [out] + [torch.empty_like(out) for _ in layers[1:]]
         fns = {}
         for impl in impls:
@@ -345,13 +350,11 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
                 fns[impl + "_eager"] = ("eager", lambda i, impl=impl: pa_decode(
                     **args, block_tables=kw["block_tables"], context_lengths=kw["context_lengths"], query_length=new,
                     out=out, backend=impl))
-        if baseline and not mixed and total % bs == 0:
-            fits, why = _baseline_fits(B, total, Hkv, D, new, Hq)
-            if fits:
-                fns["torch_gather_sdpa"] = ("graph", lambda i: gather_sdpa(
-                    **{**kw, **layers[i % len(layers)], "query_length": new, "ctx": total}))
-            else:
-                progress(f"  {shape}: torch_gather_sdpa skipped ({why})")
+        if base:
+            fns["torch_gather_sdpa"] = ("graph", lambda i: gather_sdpa(
+                **{**kw, **layers[i % len(layers)], "query_length": new, "ctx": total}))
+        elif why:
+            progress(f"  {shape}: torch_gather_sdpa skipped ({why})")
         line = f"  {op} {shape}:"
         for name, (mode, fn) in fns.items():
             try:

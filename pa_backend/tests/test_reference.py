@@ -152,6 +152,69 @@ def test_bench_layer_sets_copy_what_fits():
     assert two[1]["key_scale"] is tensor_args["key_scale"] and two[1]["key_cache"] is not tensor_args["key_cache"]
 
 
+def test_bench_graph_rows_cycle_over_the_layers(monkeypatch):
+    """run_bench's plumbing on CPU (the kernels on the interpreter, the GPU parts stubbed): every graph
+    row's captured calls cycle over the layer copies (call i on copy i % n, each its own output), the
+    copies are sized beside the baseline's temporaries, and the rows say how many there were."""
+    import pa_backend.benchmark as bm
+    from backend_core.timing import BenchContext, Timing
+
+    import pa_backend
+
+    calls = 5
+    seen, log = {}, []
+
+    class Spy:  # records which caches and output each plan.run call got
+        def __init__(self, plan):
+            self.plan = plan
+
+        def run(self, **kw):
+            log.append((kw["key_cache"].data_ptr(), kw["value_cache"].data_ptr(), kw["query"].data_ptr(),
+                        kw["out"].data_ptr()))
+            return self.plan.run(**kw)
+
+    for name in ("plan_decode", "plan_prefill"):
+        real = getattr(pa_backend, name)
+        monkeypatch.setattr(pa_backend, name, lambda *a, real=real, **k: Spy(real(*a, **k)))
+
+    def graph(fn, inner, trials, device=None):
+        del log[:]
+        for i in range(inner):
+            fn(i)
+        seen[len(seen)] = list(log)
+        return Timing(1.0, 1.0, 1.0, 1, inner)
+
+    decode = (2, 48, 1, 4, 2, 64, 16, "tensor")
+    kw = bm.bench_case(*decode, "cpu")
+    per_layer = sum(kw[k].numel() * kw[k].element_size() for k in ("query", "key_cache", "value_cache"))
+    need = 8 * 2 * 48 * 2 * 64 + 4 * 2 * 4 * 1 * 48
+    free = int(need / 0.6) + int(2 * per_layer / 0.4) + 1  # 2 copies fit beside the baseline: 3 layers
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free, 2 * free))
+    monkeypatch.setattr(bm, "bench_context", lambda progress: BenchContext(torch.device("cpu"), "cpu", "x", "d", 1.0))
+    monkeypatch.setattr(bm, "time_cuda_graph", graph)
+    monkeypatch.setattr(bm, "time_eager", lambda fn, trials, device=None: (fn(0), Timing(1.0, 1.0, 1.0, 1, 1))[1])
+    monkeypatch.setattr(bm, "host_overhead", lambda *a, **k: {})
+    monkeypatch.setattr(bm, "EXACT_CONFIGS", [])
+    monkeypatch.setattr(bm, "MIXED_CONFIG", (2, (5, 40), 1, 4, 2, 64, 16, "tensor"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    rows = bm.run_bench(configs=[decode], prefill_configs=[(2, 16, 16, 4, 2, 64, 16, "tensor")], trials=1,
+                        table_tokens=256, progress=lambda *a: None, calls_per_graph=calls)
+    graph_rows = [r for r in rows if "graph timing" in r["notes"]]
+    assert [(r["op"], r["impl"]) for r in graph_rows] == [
+        ("pa_decode", "triton"), ("pa_decode", "torch_gather_sdpa"), ("pa_decode", "triton"),
+        ("pa_prefill", "triton"), ("pa_prefill", "torch_gather_sdpa")]
+    assert "(5 calls per replay, 3 layers' caches)" in graph_rows[0]["notes"]
+    # the paged rows (graph calls 0, 2, 3: decode, mixed, prefill): call i reads layer i % n's caches and query
+    # and writes its output, each layer its own storage; the decode case has 3 layers beside its baseline, the
+    # mixed one (no baseline) as many as calls
+    for k, n in ((0, 3), (2, calls), (3, None)):
+        got = seen[k]
+        n = n or len(set(got))
+        assert len(got) == calls and len(set(got)) == n >= 2 and got == [got[i % n] for i in range(calls)]
+        for j in range(4):  # no two layers share a cache, query or output
+            assert len({g[j] for g in got}) == n
+
+
 def test_bench_rejects_zero_calls_per_graph():
     """``bench pa --calls-per-graph 0`` is refused before anything runs (no GPU needed)."""
     from pa_backend.benchmark import run_bench
