@@ -7,7 +7,8 @@
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
 # Optional wheels (fla-core for the composed KDA baseline) travel in .whl/ and go to /tmp/site.
-# Each step's output goes to $OUT/<step>.txt; bench CSVs to $OUT/<op>_bench.csv; e2e-vllm's CSV and accuracy
+# Each step's output goes to $OUT/<step>.txt; bench CSVs to $OUT/<op>_bench.csv (BENCH_ARGS: more flags for
+# bench-kda / bench-pa, e.g. "--calls-per-graph 2 --no-baseline"); e2e-vllm's CSV and accuracy
 # summary to $OUT/e2e/. The vLLM steps need .whl/vllm/ (bash benchmarks/make_device_bundle.sh vllm), tests-sglang
 # .whl/extra/ and .whl/vllm/ (make_device_bundle.sh sglang; carry ".whl").
 set -u

@@ -179,16 +179,24 @@ def _baseline_fits(B: int, ctx: int, Hkv: int, D: int, ql: int, Hq: int) -> Tupl
     return True, "", int(need / 0.6)
 
 
+def _layer_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative difference of a layer copy's output from layer 0's (inf when it is not finite)."""
+    if not (bool(torch.isfinite(out).all()) and bool(torch.isfinite(ref).all())):
+        return float("inf")
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
 def layer_sets(args: Dict[str, torch.Tensor], calls: int, share: float = 0.4,
                free: Optional[int] = None) -> List[Dict[str, torch.Tensor]]:
     """The op arguments of up to ``calls`` layers: ``args`` itself, then copies with their own caches
-    (and per-token scales, queries), as many as fit in ``share`` of the free device memory (``free``
+    (and per-token scales, queries; plus an output each), as many as fit in ``share`` of the free device memory (``free``
     bytes; default: what the device reports, 0 off CUDA). A graph that cycles over them reads each
     layer's pages as a model step does, instead of one cache again. 0-d tensors (per-tensor scales)
     are shared."""
-    per_layer = sum(t.numel() * t.element_size() for t in args.values() if t.dim() > 0)
+    q = args["query"]  # each layer also gets an output as large as its query
+    per_layer = sum(t.numel() * t.element_size() for t in args.values() if t.dim() > 0) + q.numel() * q.element_size()
     if free is None:
-        free = torch.cuda.mem_get_info(args["query"].device)[0] if args["query"].is_cuda else 0
+        free = torch.cuda.mem_get_info(q.device)[0] if q.is_cuda else 0
     n = max(1, min(calls, 1 + int(share * free // max(per_layer, 1))))
     return [args] + [{k: (t.clone() if t.dim() > 0 else t) for k, t in args.items()} for _ in range(n - 1)]
 
@@ -362,6 +370,8 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
                 err = accuracy(kw, res)
                 t = (time_eager(fn, trials=trials, device=dev) if mode == "eager"
                      else time_cuda_graph(fn, inner=calls_per_graph, trials=trials, device=dev))
+                if mode == "graph" and name in impls:  # the other layers' outputs (the same inputs) agree too
+                    err = max([err] + [_layer_error(o, outs[0]) for o in outs[1:]])
             except Exception as exc:  # e.g. a FlyDSL source that does not cover this case
                 progress(f"  {shape}: {name} not timed: {type(exc).__name__}: {exc}")
                 continue
@@ -376,7 +386,8 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
             rows.append(result_row(run, op, name, shape, t, nbytes, note))
             line += f" {name} {t.median_us:.1f} us ({100 * gbps / copy:.0f}% of copy, err {err:.1e})"
         progress(line)
-        del kw, out, outs, fns, layers
+        del kw, out, outs, fns, layers, args
+        plan = res = None  # the case's tensors go before the next case reads the free memory
         torch.cuda.empty_cache()
     # host time of one layer's call (small batch: the GPU keeps up, the host is what is measured)
     kw = bench_case(8, 1024, 1, 32, 8, 128, 16, "tensor", dev, table_tokens=table_tokens)

@@ -47,7 +47,7 @@ for ci in [int(i) for i in os.environ.get("PROBE_CONFIGS", "0,1,2,3").split(",")
             plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton")
             us, pct, err = checked_timing(plan, kw, args, out, nbytes, copy, trials=20)
             rows.append((us, s, err))
-            print(f"  B={B} ctx={ctx} ql={ql} Hq={Hq}/{Hkv} pps/warps/stages/bt/few={'/'.join(map(str, s)) or 'default'}: "
+            print(f"  B={B} ctx={ctx} ql={ql} Hq={Hq}/{Hkv} pps/warps/stages/bt/few/maxnreg={'/'.join(map(str, s)) or 'default'}: "
                   f"{us:.1f} us ({pct:.1f}% of copy) rel.err {err:.2e}", flush=True)
         except Exception as exc:
             print(f"  {s}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
