@@ -14,7 +14,8 @@ output is checked against the float64 reference first; round 0 also profiles the
 
 Variants (PROBE_VARIANTS, comma-separated):
   tree       the shipped kernels and plan (shape-only plan, as under CUDA graphs)
-  minpt128 / minpt64   partitions may be as short as 128 / 64 tokens (MIN_PARTITION_TOKENS, shipped 256):
+  minpt128 / minpt64 / minpt32   partitions may be as short as 128 / 64 / 32 tokens (MIN_PARTITION_TOKENS,
+             shipped 256):
              more tasks in flight for short contexts, more partials to merge
   direct     direct_variant.py: an item whose context fits one partition writes its rows from that task, and
              the reduce skips it (sm_90 compile: the one-warp program spills 108 bytes instead of 4, all of them
@@ -51,12 +52,18 @@ ARGS = ("query", "key_cache", "value_cache", "key_scale", "value_scale")
 HEADS = {"tiny": (8, 2), "llama8b": (32, 8)}
 D = 128
 QUICK = os.environ.get("PROBE_CASES", "") == "quick"
+# PROBE_CASES=small: few (sequence, KV head) pairs (B x Hkv <= the SM count), short to long contexts, and two cases
+# with more work to see what a lower partition floor costs there
+SMALL = os.environ.get("PROBE_CASES", "") == "small"
 # PROBE_DRY=1: every variant's accuracy on tiny cases on CPU (TRITON_INTERPRET=1), nothing timed (checks the
 # probe itself before a GPU call)
 DRY = os.environ.get("PROBE_DRY", "") == "1"
 DEVICE = "cpu" if DRY else "cuda"
 # (heads, B, context: an int or (lo, hi) for mixed lengths)
 CASES = ([("tiny", 64, 128), ("llama8b", 64, 512)] if QUICK else
+         [("tiny", B, c) for B in (4, 16) for c in (128, 512, 2048, 8192)] + [("llama8b", 16, 128), ("llama8b", 16, 2048),
+                                                                          ("tiny", 64, 512), ("llama8b", 64, 512)]
+         if SMALL else
          [(h, B, c) for h in ("tiny", "llama8b") for B in (16, 64) for c in (128, 512, 2048)]
          + [("llama8b", 128, 512), ("llama8b", 64, (32, 2048))])
 WIDTHS = (1024, 1 << 17)
@@ -130,7 +137,7 @@ def baseline_builder(name):
 
 
 def variants():
-    out = {"tree": Flydsl(), "minpt128": Flydsl(min_pt=128), "minpt64": Flydsl(min_pt=64),
+    out = {"tree": Flydsl(), "minpt128": Flydsl(min_pt=128), "minpt64": Flydsl(min_pt=64), "minpt32": Flydsl(min_pt=32),
            "nreg152": Flydsl(maxnreg=152), "nreg128": Flydsl(maxnreg=128)}
     try:
         from direct_variant import direct_kernels
