@@ -130,6 +130,11 @@ def _passes_through_triton(fn, rt) -> bool:
     return _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook) or bool(fn.pre_run_hooks)
 
 
+def _debug_state(fn, rt, comp) -> tuple:
+    """The options JITFunction.run adds to every call (jit.py:696-697): another value compiles another kernel."""
+    return fn.debug, rt.debug, comp.instrumentation_mode
+
+
 def _globals_changed(fn) -> bool:
     """A global constant the kernel read changed since it was compiled (jit.py:724-729: Triton raises)."""
     return any(globals_dict.get(name, _MISSING) != val
@@ -204,7 +209,7 @@ class Bound:
         fn = self.fn
         if _passes_through_triton(fn, rt):
             return False
-        if (fn.debug, rt.debug, comp.instrumentation_mode) != self.debug:  # another compiled kernel
+        if _debug_state(fn, rt, comp) != self.debug:  # another compiled kernel
             return False
         dev = self.dev
         if current_device() != dev or _globals_changed(fn):
@@ -269,8 +274,8 @@ def _launch(fn, grid, args, kwargs, vary):
     if tspec is not None:
         key += (tuple([tspec(t, align=True) for t in tensors]),)
     dev = current_device()
-    # the options JITFunction.run adds to every call (jit.py:696-697)
-    key = (dev, tuple(kwargs.items()), types, ptypes, key, fn.debug, rt.debug, comp.instrumentation_mode)
+    debug = _debug_state(fn, rt, comp)
+    key = (dev, tuple(kwargs.items()), types, ptypes, key, debug)
     try:
         k = site.kernels.get(key)
     except TypeError:  # an unhashable value: Triton's own path says what it makes of it
@@ -281,7 +286,7 @@ def _launch(fn, grid, args, kwargs, vary):
             site.kernels[key] = k
             if len(site.kernels) > MAX_KINDS:
                 site.kernels.popitem(last=False)
-            return k, _bound(k, fn, grid, full, tail, vary, args, dev, tspec, key[-3:])
+            return k, _bound(k, fn, grid, full, tail, vary, args, dev, tspec, debug)
         return k, None
     if _globals_changed(fn):
         return fn[grid](*args, **kwargs), None  # Triton raises its error
@@ -292,7 +297,7 @@ def _launch(fn, grid, args, kwargs, vary):
     g = len(grid)
     k.run(grid[0], grid[1] if g > 1 else 1, grid[2] if g > 2 else 1, current_stream(dev), k.function,
           k.packed_metadata, None, None, None, *full, *tail)
-    return k, _bound(k, fn, grid, full, tail, vary, args, dev, tspec, key[-3:])
+    return k, _bound(k, fn, grid, full, tail, vary, args, dev, tspec, debug)
 
 
 def _bound(k, fn, grid, full, tail, vary, args, dev, tspec, debug):

@@ -166,7 +166,11 @@ def accuracy(kw: Dict[str, object], out: torch.Tensor, seqs: int = 2) -> float:
     ref = torch.empty(sub["query"].shape, dtype=torch.float64, device=out.device)
     p = prepare_attention(**sub, prefill="query_start_loc" in kw)
     run_attention(dataclasses.replace(p, out=ref), compute_dtype=torch.float64)
-    return ((out[:rows].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return _rel_err(out[:rows], ref)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
 
 def _baseline_fits(B: int, ctx: int, Hkv: int, D: int, ql: int, Hq: int) -> Tuple[bool, str, int]:
@@ -183,16 +187,16 @@ def _layer_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """Relative difference of a layer copy's output from layer 0's (inf when it is not finite)."""
     if not (bool(torch.isfinite(out).all()) and bool(torch.isfinite(ref).all())):
         return float("inf")
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+    return _rel_err(out, ref)
 
 
 def layer_sets(args: Dict[str, torch.Tensor], calls: int, share: float = 0.4,
                free: Optional[int] = None) -> List[Dict[str, torch.Tensor]]:
     """The op arguments of up to ``calls`` layers: ``args`` itself, then copies with their own caches
-    (and per-token scales, queries; plus an output each), as many as fit in ``share`` of the free device memory (``free``
-    bytes; default: what the device reports, 0 off CUDA). A graph that cycles over them reads each
-    layer's pages as a model step does, instead of one cache again. 0-d tensors (per-tensor scales)
-    are shared."""
+    (and per-token scales, queries; counted with an output each), as many as fit in ``share`` of the
+    free device memory (``free`` bytes; default: what the device reports, 0 off CUDA). A graph that
+    cycles over them reads each layer's pages as a model step does, instead of one cache again. 0-d
+    tensors (per-tensor scales) are shared."""
     q = args["query"]  # each layer also gets an output as large as its query
     per_layer = sum(t.numel() * t.element_size() for t in args.values() if t.dim() > 0) + q.numel() * q.element_size()
     if free is None:

@@ -133,15 +133,15 @@ def prefill_tiling(D: int, G: int, block_size: int = 16, amd: bool = False) -> T
             _env_int("FLYDSL_BACKENDS_PA_PREFILL_STAGES", stages))
 
 
-def register_cap(warps: int):
-    """ptxas' register cap for task-queue partition programs of ``warps`` warps on NVIDIA (None: no
-    cap; one-warp grid launches and prefill pass none; multi-warp decode grid launches pass the override
-    only). One-warp programs: 168, so 12 fit an SM; without it the queue loop
-    compiles to 207 registers (9 per SM) and ran B=81/8k in 129 us instead of 81 us (a cap of 184, 11
-    per SM: 128 us; H200, benchmarks/pa_probe/grid_H200_2026-12-04.txt).
+def register_cap(warps: int, queue: bool = True, decode: bool = True):
+    """ptxas' register cap of a partition launch of ``warps`` warps on NVIDIA (None: no cap): the task
+    queue's programs (``queue``); a grid launch of multi-warp decode programs only under the override;
+    one-warp grid launches and prefill none. One-warp queue programs: 168, so 12 fit an SM; without it
+    the queue loop compiles to 207 registers (9 per SM) and ran B=81/8k in 129 us instead of 81 us (a
+    cap of 184, 11 per SM: 128 us; H200, benchmarks/pa_probe/grid_H200_2026-12-04.txt).
     FLYDSL_BACKENDS_PA_TRITON_MAXNREG overrides it (0: no cap)."""
     raw = os.environ.get("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", "").strip()
-    if raw == "0":
+    if not (queue or (warps > 1 and decode and raw)) or raw == "0":
         return None
     if raw:
         return _env_int("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", 0)
@@ -290,9 +290,7 @@ class _Launch:
         self.qk8 = fp8_qk(p.device, c, self.BM)
         # per-SM program counters (NVIDIA: %smid): a power of two >= the SM count
         self.sm_slots = min(1 << (self.sms - 1).bit_length(), QUEUE_SM_SLOTS) if self.v_maxnum else 0
-        # NVIDIA: the queue loop's cap; multi-warp decode programs only under the tuning override (none by default)
-        cap = (register_cap(self.warps) if self.v_maxnum and (self.queue_mode or (self.warps > 1 and p.is_decode))
-               else None)
+        cap = register_cap(self.warps, self.queue_mode, p.is_decode) if self.v_maxnum else None  # NVIDIA
         self.launch_options = {"maxnreg": cap} if cap else {}
         self.grid = None if self.queue_mode else (self.items, c.Hkv, self.split.P)  # queue: set on first launch
         # one partition per item (a plan bounded by a short max context, or a narrow table): the partition

@@ -110,10 +110,7 @@ def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks
                           QK8=BM >= 64 and amd is None)  # what fp8_qk picks on sm_90 with e4m3fn caches
         from . import register_cap
 
-        # as the launcher caps (pa_backend/triton/__init__.py): the queue loop, multi-warp decode programs under the
-        # override
-        maxnreg = (register_cap(warps) if (constexprs["QUEUE"] or (warps > 1 and not ragged)) and amd is None
-                   else None)
+        maxnreg = register_cap(warps, constexprs["QUEUE"], not ragged) if amd is None else None
     elif kernel == "write":
         import torch
 
