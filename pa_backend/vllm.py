@@ -82,11 +82,12 @@ def uniform_query_length(query_start_loc_cpu: torch.Tensor, num_reqs: int, num_a
     n = int(max_query_len)
     if not 1 <= n <= _contract.MAX_QUERY_LENGTH or num_actual_tokens != num_reqs * n or num_reqs == 0:
         return 0
-    if int(query_start_loc_cpu[num_reqs]) - int(query_start_loc_cpu[0]) == num_actual_tokens:
+    # on every step's host path: a NumPy view reads two offsets in ~1 us (indexing the tensor costs ~2.5)
+    qsl = query_start_loc_cpu.numpy()
+    if int(qsl[num_reqs]) - int(qsl[0]) == num_actual_tokens:
         return n  # no request over n tokens (max_query_len is the longest) and n per request in all: all n
-    qsl = query_start_loc_cpu[:num_reqs + 1].tolist()
-    lens = [b - a for a, b in zip(qsl, qsl[1:])]
-    live = lens.count(n)  # list operations run in C: this is on every step's host path
+    lens = (qsl[1:num_reqs + 1] - qsl[:num_reqs]).tolist()
+    live = lens.count(n)
     return n if lens[:live] == [n] * live and not any(lens[live:]) else 0
 
 
@@ -285,8 +286,8 @@ def _build_builder_class():
             a key always names the same live storage."""
             R, bt, sl = md.num_reqs, md.block_table, md.seq_lens
             bound = None if max_context is None else 1 << max(int(max_context) - 1, 0).bit_length()
-            key = (R, md.query_length, bound, bt.data_ptr(), bt.dtype, tuple(bt.shape[1:]), tuple(bt.stride()),
-                   sl.data_ptr(), sl.dtype, tuple(sl.stride()), str(bt.device))
+            key = (R, md.query_length, bound, bt.data_ptr(), bt.dtype, bt.shape[1], bt.stride(), sl.data_ptr(),
+                   sl.dtype, sl.stride(), bt.device)
             plans = self._plans
             plan = plans.get(key)
             if plan is None:

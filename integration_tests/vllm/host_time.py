@@ -26,7 +26,7 @@ from integration_tests.host_timing import parse, time_step_and_layers
 def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_tokens: int = 131072,
                       block_size: int = 16, device: str = "cpu", impl: str = "null") -> dict:
     """{"build": us per step, "layer": us per layer call, "calls": null-kernel calls per op in the timed layer
-    calls}. ``device="cuda"`` with ``impl="triton"``: the kernels are launched (queued, not awaited), as in a
+    calls, "triton_attn_build": us per step of vLLM's TRITON_ATTN builder on the same metadata}. ``device="cuda"`` with ``impl="triton"``: the kernels are launched (queued, not awaited), as in a
     server's eager step."""
     from vllm.config import set_current_vllm_config
 
@@ -40,6 +40,10 @@ def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_
         vc = H.vllm_config(H.tiny_llama_dir(Path(tmp)), block_size=block_size)
         with set_current_vllm_config(vc):
             builder = pav.FlyDSLAttentionMetadataBuilder(spec, names, vc, torch.device(device))
+            from vllm.v1.attention.backends.triton_attn import TritonAttentionMetadataBuilder
+
+            # vLLM's own backend's builder on the same metadata: the per-step host cost to compare with
+            own = TritonAttentionMetadataBuilder(spec, names, vc, torch.device(device))
     per_seq = -(-context // block_size)
     b = H.Batch(prefix_lens=[context - 1] * B, query_lens=[1] * B, block_size=block_size,
                 num_blocks=B * per_seq + 1)
@@ -60,14 +64,16 @@ def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_
         # vLLM's runner refills the same metadata buffers every step: the builder reuses its plan
         build_us, layer_us = time_step_and_layers(lambda: builder.build(0, cam), one_layer, layers, device,
                                                   before_layers=calls.clear)
-    return {"build": build_us, "layer": layer_us, "calls": dict(calls)}
+    own_us, _ = time_step_and_layers(lambda: own.build(0, cam), lambda md: None, layers, device)
+    return {"build": build_us, "layer": layer_us, "calls": dict(calls), "triton_attn_build": own_us}
 
 
 def main(argv=None) -> int:
     layers, device, impl = parse(argv)
     r = adapter_host_time(layers, device=device, impl=impl)
     print(f"vLLM 0.33 adapter, host time ({device}, {impl} kernels; B=8 decode, 1k context, 128k-token tables):")
-    print(f"  metadata builder (once per step): {r['build']:8.1f} us")
+    print(f"  metadata builder (once per step): {r['build']:8.1f} us   (vLLM's TRITON_ATTN builder, same "
+          f"metadata: {r['triton_attn_build']:.1f} us)")
     print(f"  one layer (do_kv_cache_update + forward): {r['layer']:8.1f} us   calls per op: {r['calls']}")
     return 0
 
