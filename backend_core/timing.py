@@ -39,8 +39,11 @@ class Timing:
 
 
 def time_cuda_graph(fn: Callable[[int], object], *, inner: int = 20, trials: int = 50, warmup: int = 3,
-                    device: Optional[torch.device] = None) -> Timing:
-    """Median per-call time of ``fn(i)`` (i = 0..inner-1) captured ``inner`` times in one graph."""
+                    device: Optional[torch.device] = None,
+                    after_capture: Optional[Callable[[], None]] = None) -> Timing:
+    """Median per-call time of ``fn(i)`` (i = 0..inner-1) captured ``inner`` times in one graph.
+    ``after_capture()`` runs once between the capture and the first replay (e.g. to poison the outputs,
+    so that what they hold afterwards was written by the replays, not by the eager warm-up)."""
     if trials < 1 or inner < 1:
         raise ValueError(f"trials and inner must be >= 1, got trials={trials}, inner={inner}")
     device = device or torch.device("cuda", torch.cuda.current_device())
@@ -56,6 +59,8 @@ def time_cuda_graph(fn: Callable[[int], object], *, inner: int = 20, trials: int
     with torch.cuda.graph(graph, stream=stream):
         for i in range(inner):
             fn(i)
+    if after_capture is not None:
+        after_capture()
     graph.replay()
     torch.cuda.synchronize(device)
     times: List[float] = []

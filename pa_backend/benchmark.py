@@ -19,6 +19,7 @@ dequantize to the query dtype and call ``torch.nn.functional.scaled_dot_product_
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -151,7 +152,7 @@ PREFILL_CONFIGS: List[Tuple[int, int, int, int, int, int, int, str]] = [
 
 def accuracy(kw: Dict[str, object], out: torch.Tensor, seqs: int = 2) -> float:
     """Relative error of ``out`` on the first ``seqs`` sequences against the float64 reference on
-    the same (dequantized) cache."""
+    the same (dequantized) cache (inf when those rows are not finite)."""
     import dataclasses
 
     from .contract import prepare_attention
@@ -166,11 +167,8 @@ def accuracy(kw: Dict[str, object], out: torch.Tensor, seqs: int = 2) -> float:
     ref = torch.empty(sub["query"].shape, dtype=torch.float64, device=out.device)
     p = prepare_attention(**sub, prefill="query_start_loc" in kw)
     run_attention(dataclasses.replace(p, out=ref), compute_dtype=torch.float64)
-    return _rel_err(out[:rows], ref)
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+    err = ((out[:rows].double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    return err if math.isfinite(err) else float("inf")  # a NaN would compare as passing in max()
 
 
 def _baseline_fits(B: int, ctx: int, Hkv: int, D: int, ql: int, Hq: int) -> Tuple[bool, str, int]:
@@ -183,26 +181,42 @@ def _baseline_fits(B: int, ctx: int, Hkv: int, D: int, ql: int, Hq: int) -> Tupl
     return True, "", int(need / 0.6)
 
 
-def _layer_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """Relative difference of a layer copy's output from layer 0's (inf when it is not finite)."""
-    if not (bool(torch.isfinite(out).all()) and bool(torch.isfinite(ref).all())):
+def _layer_error(kw: Dict[str, object], out: torch.Tensor) -> float:
+    """``accuracy`` of a layer's output ``out`` (inf when it is not finite, e.g. still the poison)."""
+    if not bool(torch.isfinite(out).all()):
         return float("inf")
-    return _rel_err(out, ref)
+    return accuracy(kw, out)
 
 
 def layer_sets(args: Dict[str, torch.Tensor], calls: int, share: float = 0.4,
                free: Optional[int] = None) -> List[Dict[str, torch.Tensor]]:
-    """The op arguments of up to ``calls`` layers: ``args`` itself, then copies with their own caches
-    (and per-token scales, queries; counted with an output each), as many as fit in ``share`` of the
-    free device memory (``free`` bytes; default: what the device reports, 0 off CUDA). A graph that
-    cycles over them reads each layer's pages as a model step does, instead of one cache again. 0-d
-    tensors (per-tensor scales) are shared."""
+    """The op arguments of up to ``calls`` layers: ``args`` itself, then copies with their own caches,
+    scales and query (counted with an output each), as many as fit in ``share`` of the free device
+    memory (``free`` bytes; default: what the device reports, 0 off CUDA). A graph that cycles over
+    them reads each layer's pages as a model step does, instead of one cache again. Each copy holds
+    other values than every other layer (``_layer_copy``), so a launch that reads another layer's
+    tensor computes another output, which the bench's per-layer reference check then sees."""
     q = args["query"]  # each layer also gets an output as large as its query
     per_layer = sum(t.numel() * t.element_size() for t in args.values() if t.dim() > 0) + q.numel() * q.element_size()
     if free is None:
         free = torch.cuda.mem_get_info(q.device)[0] if q.is_cuda else 0
     n = max(1, min(calls, 1 + int(share * free // max(per_layer, 1))))
-    return [args] + [{k: (t.clone() if t.dim() > 0 else t) for k, t in args.items()} for _ in range(n - 1)]
+    return [args] + [_layer_copy(args, j) for j in range(1, n)]
+
+
+def _layer_copy(args: Dict[str, torch.Tensor], j: int) -> Dict[str, torch.Tensor]:
+    """Layer ``j``'s arguments made from layer 0's: the caches and per-token scales with their pages
+    rolled by ``j`` (the block tables stay the batch's, so the layer reads other pages' values at the
+    same addresses), the query rolled by ``j`` rows and heads, and per-tensor (0-d) scales times
+    ``1 + j / 8``."""
+    out = {}
+    for k, t in args.items():
+        if t.dim() == 0:
+            out[k] = t * (1.0 + j / 8)
+        else:  # through the bytes: FP8 tensors have no roll of their own on every device
+            dims = (0, 1) if k == "query" else (0,)
+            out[k] = t.view(torch.uint8).roll((j,) * len(dims), dims=dims).view(t.dtype)
+    return out
 
 
 # host-time rows' suffix by host_overhead's direct_launch (None: the launch as set)
@@ -301,7 +315,9 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
     cases, prefill rows (graph replay of a planned batch) and the per-layer host time; each
     implementation's accuracy in the notes. A graph row's time is one replay of ``calls_per_graph``
     captured calls divided by that count, each call on its own layer's caches (``layer_sets``): each
-    carries that share of the graph's launch, as the layers of a server's decode step do."""
+    carries that share of the graph's launch, as the layers of a server's decode step do. Every row's
+    outputs start as NaN; a graph row's error is the worst of its first (eager) call's and of what the
+    replays wrote (the outputs poisoned again after the capture), each layer against its own reference."""
     if calls_per_graph < 1:
         raise ValueError(f"calls_per_graph must be >= 1, got {calls_per_graph}")
     from . import REGISTRY, pa_decode, plan_decode, plan_prefill
@@ -368,14 +384,21 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
         elif why:
             progress(f"  {shape}: torch_gather_sdpa skipped ({why})")
         line = f"  {op} {shape}:"
+        def poison():
+            for o in outs:
+                o.fill_(float("nan"))
+
         for name, (mode, fn) in fns.items():
             try:
+                poison()  # nothing an earlier row wrote can pass for this row's output
                 res = fn(0)
                 err = accuracy(kw, res)
+                checked = mode == "graph" and name in impls
                 t = (time_eager(fn, trials=trials, device=dev) if mode == "eager"
-                     else time_cuda_graph(fn, inner=calls_per_graph, trials=trials, device=dev))
-                if mode == "graph" and name in impls:  # the other layers' outputs (the same inputs) agree too
-                    err = max([err] + [_layer_error(o, outs[0]) for o in outs[1:]])
+                     else time_cuda_graph(fn, inner=calls_per_graph, trials=trials, device=dev,
+                                          after_capture=poison if checked else None))
+                if checked:  # what the replays wrote, each layer against its own reference
+                    err = max([err] + [_layer_error({**kw, **a}, o) for a, o in zip(layers, outs)])
             except Exception as exc:  # e.g. a FlyDSL source that does not cover this case
                 progress(f"  {shape}: {name} not timed: {type(exc).__name__}: {exc}")
                 continue

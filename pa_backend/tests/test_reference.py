@@ -131,8 +131,9 @@ def test_benchmark_prefill_baseline_and_accuracy():
 
 def test_bench_layer_sets_copy_what_fits():
     """The bench's graph rows cycle over layers with their own caches: as many copies as fit in the
-    given share of free memory, at most one per call; each copy its own storage with the same values,
-    0-d scales shared; nothing to copy into off CUDA (free 0)."""
+    given share of free memory, at most one per call; each copy its own storage and other values than
+    layer 0 (pages and query rolled, 0-d scales rescaled), so a launch that reads another layer's
+    tensor computes another output; nothing to copy into off CUDA (free 0)."""
     from pa_backend.benchmark import bench_case, layer_sets
 
     kw = bench_case(2, 48, 1, 4, 2, 64, 16, "token", "cpu")
@@ -145,19 +146,29 @@ def test_bench_layer_sets_copy_what_fits():
     assert len(layer_sets(args, 2, share=1.0, free=10 * per)) == 2
     sets = layer_sets(args, 3, share=0.5, free=10 * per)
     assert len(sets) == 3 and sets[0] is args
-    for other in sets[1:]:
+    for j, other in enumerate(sets[1:], 1):
         for k, t in args.items():
-            assert other[k].data_ptr() != t.data_ptr() and torch.equal(other[k].view(torch.uint8), t.view(torch.uint8))
+            assert other[k].data_ptr() != t.data_ptr() and other[k].shape == t.shape and other[k].dtype == t.dtype
+            assert not torch.equal(other[k].view(torch.uint8), t.view(torch.uint8)), k
+            want = t.view(torch.uint8).roll((j, j), dims=(0, 1)) if k == "query" else t.view(torch.uint8).roll(j, 0)
+            assert torch.equal(other[k].view(torch.uint8), want), k
+    assert not torch.equal(sets[1]["key_cache"].view(torch.uint8), sets[2]["key_cache"].view(torch.uint8))
     kt = bench_case(2, 48, 1, 4, 2, 64, 16, "tensor", "cpu")
     tensor_args = {k: kt[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
-    two = layer_sets(tensor_args, 2, share=1.0, free=1 << 30)
-    assert two[1]["key_scale"] is tensor_args["key_scale"] and two[1]["key_cache"] is not tensor_args["key_cache"]
+    three = layer_sets(tensor_args, 3, share=1.0, free=1 << 30)
+    scales = [s["key_scale"] for s in three]
+    assert all(s.dim() == 0 and torch.equal(s, tensor_args["key_scale"] * (1 + j / 8)) for j, s in enumerate(scales))
+    assert len({float(s) for s in scales}) == 3
 
 
-def test_bench_graph_rows_cycle_over_the_layers(monkeypatch):
-    """run_bench's plumbing on CPU (the kernels on the interpreter, the GPU parts stubbed): every graph
-    row's captured calls cycle over the layer copies (call i on copy i % n, each its own output), the
-    copies are sized beside the baseline's temporaries, and the rows say how many there were."""
+def test_bench_graph_rows_check_what_every_layer_replayed(monkeypatch):
+    """run_bench's plumbing on CPU (the kernels on the interpreter or torch, the GPU parts stubbed; the
+    stubbed graph runs the calls once as the warm-up, then ``after_capture``, then once as the replay):
+    every graph row's calls cycle over the layer copies (call i on copy i % n, each its own output), the
+    copies are sized beside the baseline's temporaries, and each layer's replayed output is checked
+    against its own reference. Faults that must show: a replay that reads layer 0's cache in every layer
+    (MISSES), a replay that writes nothing (inf: the outputs are poisoned after the capture) and rows
+    that never write their outputs after another row filled them (inf: each row starts poisoned)."""
     import pa_backend.benchmark as bm
     from backend_core.timing import BenchContext, Timing
 
@@ -165,27 +176,50 @@ def test_bench_graph_rows_cycle_over_the_layers(monkeypatch):
 
     calls = 5
     seen, log = {}, []
+    replaying = [False]
+    # graph rows in order: 0 torch decode, 1 triton decode, 2 gather decode, 3 torch mixed, 4 triton mixed,
+    # 5 torch prefill, 6 triton prefill, 7 gather prefill
+    faults = {1: "stale", 4: "skip", 6: "no-replay"}
 
-    class Spy:  # records which caches and output each plan.run call got
+    class Spy:  # records which caches and output each plan.run call got; injects the row's fault
         def __init__(self, plan):
-            self.plan = plan
+            self.plan, self.first = plan, None
 
         def run(self, **kw):
+            fault = faults.get(len(seen))
+            if self.first is None:
+                self.first = kw["key_cache"]
+            if fault == "stale" and replaying[0]:
+                kw = {**kw, "key_cache": self.first}
             log.append((kw["key_cache"].data_ptr(), kw["value_cache"].data_ptr(), kw["query"].data_ptr(),
                         kw["out"].data_ptr()))
-            res = self.plan.run(**kw)
-            if not seen and len(log) == calls:  # the first row's last call: a wrong layer output must show
-                res[0, 0, 0] = float("nan")
-            return res
+            return kw["out"] if fault == "skip" else self.plan.run(**kw)
 
     for name in ("plan_decode", "plan_prefill"):
         real = getattr(pa_backend, name)
         monkeypatch.setattr(pa_backend, name, lambda *a, real=real, **k: Spy(real(*a, **k)))
+    # eager rows in order: 0 torch decode, 1 triton decode, 2 torch mixed, 3 triton mixed; row 1 never
+    # writes its output, which still held the triton graph row's layer 0 (right) before the row's poison
+    eager_seen, real_decode = [], pa_backend.pa_decode
+    monkeypatch.setattr(pa_backend, "pa_decode",
+                        lambda *a, **k: k["out"] if len(eager_seen) == 1 else real_decode(*a, **k))
 
-    def graph(fn, inner, trials, device=None):
-        del log[:]
-        for i in range(inner):
+    def eager(fn, trials, device=None):
+        fn(0)
+        eager_seen.append(1)
+        return Timing(1.0, 1.0, 1.0, 1, 1)
+
+    def graph(fn, inner, trials, device=None, after_capture=None):
+        for i in range(inner):  # the warm-up (eager) calls
             fn(i)
+        if after_capture is not None:
+            after_capture()
+        del log[:]
+        replaying[0] = True
+        if faults.get(len(seen)) != "no-replay":
+            for i in range(inner):
+                fn(i)
+        replaying[0] = False
         seen[len(seen)] = list(log)
         return Timing(1.0, 1.0, 1.0, 1, inner)
 
@@ -197,26 +231,31 @@ def test_bench_graph_rows_cycle_over_the_layers(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free, 2 * free))
     monkeypatch.setattr(bm, "bench_context", lambda progress: BenchContext(torch.device("cpu"), "cpu", "x", "d", 1.0))
     monkeypatch.setattr(bm, "time_cuda_graph", graph)
-    monkeypatch.setattr(bm, "time_eager", lambda fn, trials, device=None: (fn(0), Timing(1.0, 1.0, 1.0, 1, 1))[1])
+    monkeypatch.setattr(bm, "time_eager", eager)
     monkeypatch.setattr(bm, "host_overhead", lambda *a, **k: {})
     monkeypatch.setattr(bm, "EXACT_CONFIGS", [])
     monkeypatch.setattr(bm, "MIXED_CONFIG", (2, (5, 40), 1, 4, 2, 64, 16, "tensor"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    rows = bm.run_bench(configs=[decode], prefill_configs=[(2, 16, 16, 4, 2, 64, 16, "tensor")], trials=1,
-                        table_tokens=256, progress=lambda *a: None, calls_per_graph=calls)
+    rows = bm.run_bench(impls=("torch", "triton"), configs=[decode], prefill_configs=[(2, 16, 16, 4, 2, 64, 16, "tensor")],
+                        trials=1, table_tokens=256, progress=lambda *a: None, calls_per_graph=calls)
     graph_rows = [r for r in rows if "graph timing" in r["notes"]]
     assert [(r["op"], r["impl"]) for r in graph_rows] == [
-        ("pa_decode", "triton"), ("pa_decode", "torch_gather_sdpa"), ("pa_decode", "triton"),
-        ("pa_prefill", "triton"), ("pa_prefill", "torch_gather_sdpa")]
+        ("pa_decode", "torch"), ("pa_decode", "triton"), ("pa_decode", "torch_gather_sdpa"),
+        ("pa_decode", "torch"), ("pa_decode", "triton"),
+        ("pa_prefill", "torch"), ("pa_prefill", "triton"), ("pa_prefill", "torch_gather_sdpa")]
     assert "(5 calls per replay, 3 layers' caches)" in graph_rows[0]["notes"]
-    # the corrupted layer's output shows in its row only (inf); the other paged rows keep their own error (this
-    # tiny case's, ~3e-3 on the interpreter)
-    err = {k: float(r["notes"].split()[0].split("=")[1]) for k, r in enumerate(graph_rows) if r["impl"] == "triton"}
-    assert err[0] == float("inf") and all(e < 1e-2 for k, e in err.items() if k)
-    # the paged rows (graph calls 0, 2, 3: decode, mixed, prefill): call i reads layer i % n's caches and query
-    # and writes its output, each layer its own storage; the decode case has 3 layers beside its baseline, the
-    # mixed one (no baseline) as many as calls
-    for k, n in ((0, 3), (2, calls), (3, None)):
+    err = {k: float(r["notes"].split()[0].split("=")[1]) for k, r in enumerate(graph_rows) if k not in (2, 7)}
+    # layer 0's cache read by every layer: a finite error far past the target (1.4 here; the faultless
+    # interpreter row is ~3e-3); no write, no replay: inf
+    assert 0.1 < err[1] < float("inf") and "MISSES" in graph_rows[1]["notes"]
+    assert err[4] == err[6] == float("inf")
+    # the faultless rows (torch, whose results the triton rows' outputs held before) keep their own error
+    assert all(err[k] < bm.ACCURACY_TARGET for k in (0, 3, 5)), err
+    eager_err = [float(r["notes"].split()[0].split("=")[1]) for r in rows if "eager timing" in r["notes"]]
+    assert len(eager_err) == 4 and eager_err[1] == float("inf") and max(eager_err[::2] + eager_err[3:]) < 1e-2
+    # call i reads layer i % n's caches and query and writes its output, each layer its own storage; the
+    # decode case has 3 layers beside its baseline, the mixed one (no baseline) as many as calls
+    for k, n in ((0, 3), (3, calls), (5, None)):
         got = seen[k]
         n = n or len(set(got))
         assert len(got) == calls and len(set(got)) == n >= 2 and got == [got[i % n] for i in range(calls)]
