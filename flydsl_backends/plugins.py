@@ -48,13 +48,14 @@ def _resolution_check(server_args, previous) -> None:
     """SGLang's argument-resolution hook: the adapters' own policies (``kda_backend.sglang``,
     ``pa_backend.sglang``) on the resolved arguments."""
     previous(server_args)
-    from sglang.srt.arg_groups.model_override_base import resolved_view, use_mla_backend
+    from sglang.srt.arg_groups.model_override_base import model_config_of, resolved_view, use_mla_backend
 
     import kda_backend.sglang as kda_sglang
     import pa_backend.sglang as pa_sglang
 
     cfg = resolved_view(server_args)
-    kda_sglang.check_server_args(cfg)
+    # the model's config (built and memoized by SGLang) only when flydsl KDA decode needs its answers
+    kda_sglang.check_server_args(cfg, model_config_of(server_args) if kda_sglang.uses_flydsl_kda(cfg) else None)
     # building the ModelConfig (use_mla_backend) only when flydsl attention needs the answer
     pa_sglang.check_server_args(cfg, use_mla_backend(server_args) if pa_sglang.uses_flydsl_attention(cfg) else False)
 

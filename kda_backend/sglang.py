@@ -59,20 +59,29 @@ from torch.utils.weak import WeakIdKeyDictionary
 from backend_core import names
 from backend_core.validation import signature_of
 
+from . import contract as _contract
 from .api import kda_decode, kda_decode_with_f_b
 
 __all__ = ["make_decode_kernel", "dispatcher_init_around", "user_selected_flydsl", "register_hooks", "FLAG_VALUE",
            "k3_available_around", "k3_warmup_around", "k3_covered_around", "k3_run_around",
-           "k3_cuda_fused_decode_around", "check_server_args"]
+           "k3_cuda_fused_decode_around", "check_server_args", "uses_flydsl_kda"]
 
 log = logging.getLogger("flydsl_backends.sglang")
 FLAG_VALUE = names.FLYDSL
 
 
-def check_server_args(cfg) -> None:
+def uses_flydsl_kda(cfg) -> bool:
+    """Whether SGLang's resolved server args ``cfg`` send linear-attention decode to flydsl."""
+    return FLAG_VALUE in (getattr(cfg, "linear_attn_decode_backend", None), getattr(cfg, "linear_attn_backend", None))
+
+
+def check_server_args(cfg, model_config=None) -> None:
     """The server-argument policy of the flydsl KDA kernel backend (``cfg``: SGLang's resolved server
-    args): a decode-only kernel, so prefill and speculative verify stay on SGLang's kernels. Raises
-    ValueError naming the flag and the one that works."""
+    args; ``model_config``: SGLang's ModelConfig, needed only when ``uses_flydsl_kda(cfg)``): a
+    decode-only kernel, so prefill and speculative verify stay on SGLang's kernels; the model must have
+    KDA layers (the flag also names GDN's decode backend, which has no flydsl kernel), bfloat16
+    activations and a float32 or bfloat16 recurrent state. Raises ValueError naming the flag and the
+    one that works."""
     for flag, value in (("--linear-attn-backend", getattr(cfg, "linear_attn_backend", None)),
                         ("--linear-attn-prefill-backend", getattr(cfg, "linear_attn_prefill_backend", None)),
                         ("--linear-attn-verify-backend", getattr(cfg, "linear_attn_verify_backend", None))):
@@ -80,6 +89,31 @@ def check_server_args(cfg) -> None:
             raise ValueError(
                 f"{flag} flydsl: the flydsl KDA backend serves decode only (prefill and speculative verify stay on "
                 "SGLang's kernels); use --linear-attn-decode-backend flydsl and leave the others unset")
+    if model_config is None or not uses_flydsl_kda(cfg):
+        return
+    from sglang.srt.configs.model_config import uses_kda_attention
+
+    hf = model_config.hf_config
+    if not uses_kda_attention(hf):
+        arch = (getattr(hf, "architectures", None) or ["this model"])[0]
+        raise ValueError(f"--linear-attn-decode-backend flydsl serves KDA layers (Kimi-Linear, Kimi-K3); {arch} has "
+                         "none (GDN and other linear attention have no flydsl kernel): leave "
+                         "--linear-attn-decode-backend unset for it")
+    dtype = getattr(model_config, "dtype", None)
+    if dtype is not None and dtype not in _contract.ACT_DTYPES:
+        raise ValueError(f"--linear-attn-decode-backend flydsl: the KDA decode takes bfloat16 activations, this "
+                         f"server runs {dtype}: use --dtype bfloat16")
+    ssm = getattr(cfg, "mamba_ssm_dtype", None)
+    if ssm is None:  # SGLang's own order: its environment variable, then the model's config, then float32
+        from sglang.srt.configs.mamba_utils import mamba2_state_dtype
+
+        ssm_dtype = mamba2_state_dtype(hf).temporal
+    else:
+        ssm_dtype = getattr(torch, str(ssm), None)
+    if ssm_dtype not in _contract.STATE_DTYPES:
+        raise ValueError(f"--linear-attn-decode-backend flydsl: the KDA decode keeps the recurrent state in float32 "
+                         f"or bfloat16, this server's is {ssm if ssm is not None else ssm_dtype}: use "
+                         "--mamba-ssm-dtype float32 (or bfloat16)")
 
 
 def _gate_params_fp32(A_log: torch.Tensor, dt_bias: torch.Tensor):

@@ -5,6 +5,7 @@ Result per case: ``{"ok": bool, "error": str, "args": {...resolved fields...}}``
 plugin modules' view of the process (which heavy modules got imported)."""
 
 import json
+import os
 import sys
 
 from sglang.srt.plugins import load_plugins
@@ -13,10 +14,15 @@ load_plugins()  # what python -m sglang.launch_server does before prepare_server
 
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
+ENV = dict(os.environ)
 FIELDS = ("attention_backend", "decode_attention_backend", "prefill_attention_backend",
           "linear_attn_decode_backend", "kv_cache_dtype", "page_size", "tp_size")
 results = []
 for argv in json.loads(sys.argv[1]):
+    # each case resolves as in its own server process: resolution publishes some arguments as environment
+    # variables (e.g. --mamba-ssm-dtype as SGLANG_MAMBA_SSM_DTYPE), which later cases must not inherit
+    os.environ.clear()
+    os.environ.update(ENV)
     try:
         a = prepare_server_args(argv)
         a.resolve_once()

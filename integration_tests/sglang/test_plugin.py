@@ -40,6 +40,12 @@ KIMI_LINEAR = {"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_l
                "linear_attn_config": {"kda_layers": [1], "full_attn_layers": [2], "head_dim": 32, "num_heads": 4,
                                       "short_conv_kernel_size": 4}}
 EAGLE3 = dict(LLAMA, architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=1024)
+# a GDN hybrid (linear attention that is not KDA): --linear-attn-decode-backend names its decode kernel too
+QWEN3_NEXT = dict(LLAMA, architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", num_hidden_layers=4,
+                  full_attention_interval=4, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=32,
+                  linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                  moe_intermediate_size=128, shared_expert_intermediate_size=128, decoder_sparse_step=1,
+                  mlp_only_layers=[])
 COMMON = ["--device", "cpu", "--skip-tokenizer-init"]
 
 
@@ -47,7 +53,7 @@ COMMON = ["--device", "cpu", "--skip-tokenizer-init"]
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     out = {}
-    for name, cfg in (("llama", LLAMA), ("kimi", KIMI_LINEAR), ("eagle3", EAGLE3)):
+    for name, cfg in (("llama", LLAMA), ("kimi", KIMI_LINEAR), ("eagle3", EAGLE3), ("qwen3_next", QWEN3_NEXT)):
         (root / name).mkdir()
         (root / name / "config.json").write_text(json.dumps(cfg))
         out[name] = str(root / name)
@@ -105,6 +111,22 @@ def _cases(m):
         "kimi_linear_attn_backend": (["--model-path", kimi, "--attention-backend", "triton",
                                       "--linear-attn-backend", "flydsl", "--disable-radix-cache"],
                                      "--linear-attn-decode-backend flydsl"),
+        # the KDA op's dtypes: bf16 activations, an fp32 / bf16 state (SGLang accepts float16 for both)
+        "kimi_kda_ssm_bf16": (["--model-path", kimi, "--attention-backend", "triton", "--linear-attn-decode-backend",
+                               "flydsl", "--mamba-ssm-dtype", "bfloat16", "--disable-radix-cache"], None),
+        "kimi_kda_ssm_fp16": (["--model-path", kimi, "--attention-backend", "triton", "--linear-attn-decode-backend",
+                               "flydsl", "--mamba-ssm-dtype", "float16", "--disable-radix-cache"],
+                              "--mamba-ssm-dtype float32"),
+        "kimi_kda_fp16_model": (["--model-path", kimi, "--attention-backend", "triton", "--linear-attn-decode-backend",
+                                 "flydsl", "--dtype", "float16", "--disable-radix-cache"], "--dtype bfloat16"),
+        # a model without KDA layers: GDN's decode has no flydsl kernel (SGLang would fail at model init)
+        "gdn_flydsl_decode": (["--model-path", m["qwen3_next"], "--attention-backend", "triton",
+                               "--linear-attn-decode-backend", "flydsl", "--disable-radix-cache"],
+                              "leave --linear-attn-decode-backend unset"),
+        "gdn_triton_decode": (["--model-path", m["qwen3_next"], "--attention-backend", "triton",
+                               "--linear-attn-decode-backend", "triton", "--disable-radix-cache"], None),
+        "llama_flydsl_kda": (["--model-path", llama, "--attention-backend", "triton", "--linear-attn-decode-backend",
+                              "flydsl"], "leave --linear-attn-decode-backend unset"),
         "gqa_eagle3_chain": (["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--page-size", "16",
                               *eagle, *chain, "--speculative-draft-attention-backend", "triton"], None),
         "gqa_eagle3_no_draft_backend": (["--model-path", llama, "--attention-backend", "flydsl", *fp8,
