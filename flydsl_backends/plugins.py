@@ -111,5 +111,7 @@ def register_vllm() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, VLLM_BACKEND_PATH)
     import kda_backend.vllm as kda_vllm
 
-    kda_vllm.register_layer_hooks()  # opt-in per server: --additional-config '{"flydsl_kda": true}'
+    # opt-in per server (--additional-config '{"flydsl_kda": true}'); registered when vLLM imports the
+    # layers, so loading the plugin imports no layer module (FLA's would initialise CUDA in the parent)
+    kda_vllm.install_layer_hooks()
     log.info("flydsl-backends: vLLM plugin registered (--attention-backend FLYDSL | CUSTOM)")

@@ -2,7 +2,7 @@
 
 vLLM has no registry for KDA decode kernels: the Mamba "attention backend" (``GDN_ATTN``) only builds
 ``GDNAttentionMetadata``, and the kernels run inside the layer's ``_forward``. The plugin therefore
-calls :func:`register_layer_hooks`, which registers, through
+calls :func:`install_layer_hooks`, which registers (when vLLM imports each layer's module), through
 ``vllm.model_executor.custom_op.PluggableLayer.register_oot``, a subclass of
 
 * ``vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn.KimiGatedDeltaNetAttention``
@@ -69,7 +69,9 @@ without aiter once ``vllm.platforms.rocm`` has been imported with a gfx942 devic
 stand-in), its ``KimiK3ROCmKDAMetadataBuilder`` for the decode batch, ``is_rocm`` faked for the
 registration; no ROCm machine has run it.
 
-The plugin calls :func:`register_layer_hooks` (before the model is built).
+The plugin calls :func:`install_layer_hooks` in every process: each registration is made when vLLM
+itself first imports the layer's module (before it builds the model), never by importing it at plugin
+load. :func:`register_layer_hooks` makes them at once (importing the modules).
 """
 
 from __future__ import annotations
@@ -82,9 +84,10 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from backend_core.buffers import DeviceBuffers
+from backend_core.lazy import after_import
 from backend_core.validation import signature_of
 
-__all__ = ["register_layer_hooks", "flydsl_kda_enabled", "CONFIG_KEY", "KIMI_LINEAR_LAYER", "KIMI_K3_LAYER",
+__all__ = ["register_layer_hooks", "install_layer_hooks", "flydsl_kda_enabled", "CONFIG_KEY", "KIMI_LINEAR_LAYER", "KIMI_K3_LAYER",
            "kimi_linear_layer_class", "kimi_k3_layer_class", "decode_on_flydsl", "map_state_indices"]
 
 log = logging.getLogger("flydsl_backends.vllm.kda")
@@ -346,19 +349,44 @@ def _register(name: str, build) -> bool:
 
 
 def register_layer_hooks() -> bool:
-    """Register the KDA layer subclasses with vLLM (idempotent; called by the vLLM plugin).
+    """Register the KDA layer subclasses with vLLM now (idempotent; imports vLLM's layer modules).
 
     Returns whether the Kimi-Linear hook is in place. The Kimi-K3 hook is added only on ROCm when
-    ``vllm.models.kimi_k3.amd.kda`` imports; otherwise it is skipped with a debug log.
+    ``vllm.models.kimi_k3.amd.kda`` imports; otherwise it is skipped with a debug log. The vLLM plugin
+    calls ``install_layer_hooks`` instead, which makes the same registrations without the imports.
     """
     with _lock:
         ok = _register(KIMI_LINEAR_LAYER, kimi_linear_layer_class)
-        try:
-            from vllm.platforms import current_platform
-
-            if not current_platform.is_rocm():
-                raise ImportError("not a ROCm platform (NVIDIA's KimiK3DeltaAttention shares the name)")
-            _register(KIMI_K3_LAYER, kimi_k3_layer_class)
-        except Exception as exc:  # ImportError without aiter, or anything its import chain raises
-            log.debug("KDA layer hook: Kimi-K3 (%s) not registered: %s: %s", KIMI_K3_MODULE, type(exc).__name__, exc)
+        _register_k3()
         return ok
+
+
+def _register_k3() -> None:
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_rocm():
+            raise ImportError("not a ROCm platform (NVIDIA's KimiK3DeltaAttention shares the name)")
+        _register(KIMI_K3_LAYER, kimi_k3_layer_class)
+    except Exception as exc:  # ImportError without aiter, or anything its import chain raises
+        log.debug("KDA layer hook: Kimi-K3 (%s) not registered: %s: %s", KIMI_K3_MODULE, type(exc).__name__, exc)
+
+
+def _on_kimi_linear_import(_module) -> None:
+    with _lock:
+        _register(KIMI_LINEAR_LAYER, kimi_linear_layer_class)
+
+
+def _on_kimi_k3_import(_module) -> None:
+    with _lock:
+        _register_k3()
+
+
+def install_layer_hooks() -> None:
+    """What the vLLM plugin calls in every process: each layer's registration is made when vLLM itself
+    first imports that layer's module (at once if it already has), never by importing it here. The
+    Kimi-Linear layer module imports FLA's utilities, which query the GPU at import: imported by the
+    plugin in ``vllm serve``'s parent process, they initialised CUDA there, vLLM then spawned the engine
+    core, and the spawned process could not unpickle ``--attention-backend FLYDSL``."""
+    after_import(KIMI_LINEAR_MODULE, _on_kimi_linear_import)
+    after_import(KIMI_K3_MODULE, _on_kimi_k3_import)

@@ -241,6 +241,11 @@ def _build_builder_class():
 
         def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            if getattr(kv_cache_spec, "non_causal", False):
+                # e.g. a prefix-LM decoder (PrefillPrefixLMAttention), whose layers validate as plain decoders
+                raise ValueError(f"--attention-backend FLYDSL serves causal attention; layers {list(layer_names)[:2]} "
+                                 "attend non-causally (prefix LM): use --attention-backend TRITON_ATTN for this "
+                                 f"model ({_WORKING})")
             mode = vllm_config.compilation_config.cudagraph_mode
             full_graphs = mode in (CUDAGraphMode.FULL_AND_PIECEWISE, CUDAGraphMode.FULL_DECODE_ONLY, CUDAGraphMode.FULL)
             if torch.device(device).type == "cuda" and full_graphs:
@@ -255,12 +260,15 @@ def _build_builder_class():
                         bs,
                         query_length=min(_spec_query_length(vllm_config), _contract.MAX_QUERY_LENGTH),
                         device=torch.device(device))
-            self._plans = {}  # decode plans of this builder's buffers (``_decode_plan``)
+            self._plans = {}  # shape -> (buffer addresses, decode plan) (``_decode_plan``)
 
         def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
             cam = common_attn_metadata
             if common_prefix_len:
                 raise NotImplementedError("flydsl attention: cascade attention (common_prefix_len > 0) is not supported")
+            if cam.causal is not True:  # a wrapper asking for non-causal attention: never computed causally
+                raise NotImplementedError(f"flydsl attention: non-causal attention (causal={cam.causal!r}) is not "
+                                          "supported; use --attention-backend TRITON_ATTN for this model")
             n = uniform_query_length(cam.query_start_loc_cpu, cam.num_reqs, cam.num_actual_tokens, cam.max_query_len)
             # the runner's persistent int32 buffers, as they are (a copy would break CUDA-graph replay)
             md = FlyDSLAttentionMetadata(
@@ -281,20 +289,22 @@ def _build_builder_class():
         def _decode_plan(self, md, max_context):
             """A decode plan depends on shapes only (the kernels read tables and lengths on the device),
             so the plan of the runner's persistent buffers is made once per (requests, query length,
-            buffers, context bound rounded up to a power of two) and reused by every later step: the
-            per-step host cost is a dict lookup. The plans hold views of the buffers, so an address in
-            a key always names the same live storage."""
+            context bound rounded up to a power of two, layouts) and reused by every later step: the
+            per-step host cost is a dict lookup. A plan holds views of its buffers; each shape keeps one
+            plan, the one of the last buffers it saw, so tensors made afresh every step (e.g. the virtual
+            batches of chunked local attention, Llama-4) are planned anew and never pile up."""
             R, bt, sl = md.num_reqs, md.block_table, md.seq_lens
             bound = None if max_context is None else 1 << max(int(max_context) - 1, 0).bit_length()
-            key = (R, md.query_length, bound, bt.data_ptr(), bt.dtype, bt.shape[1], bt.stride(), sl.data_ptr(),
-                   sl.dtype, sl.stride(), bt.device)
+            shape = (R, md.query_length, bound, bt.dtype, bt.shape[1], bt.stride(), sl.dtype, sl.stride(), bt.device)
+            addresses = (bt.data_ptr(), sl.data_ptr())
             plans = self._plans
-            plan = plans.get(key)
-            if plan is None:
-                plan = plan_decode(bt[:R], sl[:R], query_length=md.query_length, max_context=bound)
-                if len(plans) >= 512:
-                    plans.clear()
-                plans[key] = plan
+            held = plans.get(shape)
+            if held is not None and held[0] == addresses:
+                return held[1]
+            plan = plan_decode(bt[:R], sl[:R], query_length=md.query_length, max_context=bound)
+            if held is None and len(plans) >= 512:
+                plans.clear()
+            plans[shape] = (addresses, plan)
             return plan
 
         def build_for_cudagraph_capture(self, common_attn_metadata):

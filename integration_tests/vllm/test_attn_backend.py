@@ -230,6 +230,42 @@ def test_decode_plan_is_reused_across_steps_on_the_runner_buffers(model_dir):
     mixed = H.Batch(prefix_lens=(20, 70), query_lens=(3, 1), block_size=bs, num_blocks=30, seed=5)
     md = builder.build(0, step(mixed, H.block_rows(mixed, cols))[0])
     assert not md.plan.is_decode and md.plan is not plans[0]
+    # back on the runner's buffers: planned once more (the fresh tables above replaced its entry), then reused
+    again = builder.build(0, step(first, H.block_rows(first, cols))[0]).plan
+    assert builder.build(0, step(first, H.block_rows(first, cols))[0]).plan is again
+
+
+def test_decode_plans_of_fresh_tables_do_not_pile_up(model_dir):
+    """Tables and lengths made afresh every step (vLLM's chunked local attention builds its virtual batches
+    that way, Llama-4): each step is planned on its own tensors, and the builder keeps one plan per shape
+    (holding the last step's tensors), not one per step."""
+    bs, cols = 16, 8
+    builder, _ = _builder(model_dir, H.backend_spec(block_size=bs))
+    b = H.Batch(prefix_lens=(20, 70), query_lens=(1, 1), block_size=bs, num_blocks=30, seed=1)
+    rows = H.block_rows(b, cols)
+    for _ in range(40):
+        cam = H.common_metadata(b, rows)  # new tensors every step
+        plan = builder.build(0, cam).plan
+        assert plan.batch.block_tables.data_ptr() == cam.block_table_tensor.data_ptr()
+        assert plan.batch.context_lengths.data_ptr() == cam.seq_lens.data_ptr()
+    assert len(builder._plans) == 1
+
+
+def test_non_causal_attention_is_refused(model_dir):
+    """A prefix-LM decoder (vLLM's PrefillPrefixLMAttention) validates as a plain decoder: its spec says
+    non_causal (refused when the builder is made, at start-up) and its builds ask for causal=False (refused,
+    never computed causally)."""
+    import dataclasses
+
+    spec = H.backend_spec(block_size=16)
+    with pytest.raises(ValueError, match="non-causally.*TRITON_ATTN"):
+        _builder(model_dir, dataclasses.replace(spec, non_causal=True))
+    builder, _ = _builder(model_dir, spec)
+    b = H.Batch(prefix_lens=(0,), query_lens=(12,), block_size=16, num_blocks=4)
+    cam = H.common_metadata(b, H.block_rows(b, 4))
+    with pytest.raises(NotImplementedError, match="non-causal"):
+        builder.build(0, dataclasses.replace(cam, causal=False))
+    assert builder.build(0, cam).plan is not None
 
 
 

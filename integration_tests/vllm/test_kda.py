@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import json
 import os
 import subprocess
 import sys
@@ -106,6 +107,24 @@ def test_import_pulls_in_no_vllm():
             "m.startswith(('vllm.', 'pa_backend', 'flydsl_backends'))); print(bad); sys.exit(1 if bad else 0)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd(), timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_plugin_registers_the_layer_when_vllm_imports_it():
+    """The vLLM plugin imports no layer module at load (Kimi-Linear's pulls in FLA's utilities, which query
+    the GPU: in vllm serve's parent that forced the engine core to spawn); the hook is in place as soon as
+    vLLM imports the layer's module itself. A fresh process: the module is not imported yet."""
+    code = ("import importlib, json, sys\n"
+            "from flydsl_backends.plugins import register_vllm\n"
+            "register_vllm()\n"
+            "from vllm.model_executor.custom_op import op_registry_oot\n"
+            "import kda_backend.vllm as kv\n"
+            "before = [kv.KIMI_LINEAR_MODULE in sys.modules, 'vllm.third_party.flash_linear_attention.ops.utils' in "
+            "sys.modules, kv.KIMI_LINEAR_LAYER in op_registry_oot]\n"
+            "importlib.import_module(kv.KIMI_LINEAR_MODULE)\n"
+            "print(json.dumps([before, op_registry_oot.get(kv.KIMI_LINEAR_LAYER) is kv.kimi_linear_layer_class()]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd(), timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [[False, False, False], True]
 
 
 def test_layer_is_ours_only_when_hooked(monkeypatch):

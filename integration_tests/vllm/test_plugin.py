@@ -71,6 +71,9 @@ def test_cli_selects_the_backend(llama, tmp_path):
     pkl = tmp_path / "attention_config.pkl"
     out = _run("engine_probe.py", json.dumps([argv + COMMON for argv in cases.values()]), "--pickle", str(pkl))
     assert out["heavy_modules"] == [], f"building the engine config imported kernel modules: {out['heavy_modules']}"
+    # vllm serve's parent process: nothing that initialises the GPU at import (it would force the engine core to
+    # spawn, and a spawned process cannot unpickle FLYDSL)
+    assert out["gpu_at_import"] == [], out["gpu_at_import"]
     by = dict(zip(cases, out["results"]))
     for name, r in by.items():
         assert r["ok"], f"{name}: {r['error']}"
