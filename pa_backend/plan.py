@@ -23,7 +23,7 @@ The eager ops ``pa_decode`` / ``pa_prefill`` are a one-layer plan each.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -63,10 +63,13 @@ class PAPlan:
 
     def run(self, query, key_cache, value_cache, key_scale, value_scale, *, softmax_scale: Optional[float] = None,
             sliding_window: int = 0, sinks=None, num_partitions: Optional[int] = None,
-            out: Optional[torch.Tensor] = None, backend: Optional[str] = None) -> torch.Tensor:
+            out: Optional[torch.Tensor] = None, backend: Optional[str] = None,
+            before_launch: Optional[Callable[[], None]] = None) -> torch.Tensor:
         """One layer's attention over the planned batch. Arguments as in :func:`pa_decode` /
         :func:`pa_prefill` (``query`` [T, Hq, D]; ``out`` filled in place and returned).
-        ``backend`` overrides the plan's choice (an adapter's per-layer setting)."""
+        ``backend`` overrides the plan's choice (an adapter's per-layer setting). ``before_launch()``
+        runs once every argument is checked, before any kernel: an adapter's write of the step's new
+        K/V there leaves the caches untouched when the call is refused."""
         b = self.batch
         if (arg_key(b.block_tables), arg_key(b.context_lengths), arg_key(b.query_start_loc)) != b.memo_key()[:3]:
             # resized or re-strided in place since the plan was made (refilling their values is fine)
@@ -85,6 +88,8 @@ class PAPlan:
         if impl is None:
             impl = self._impls[sig] = registry_for(p).select(p, backend or self.backend, device_type=p.device.type,
                                                       site_depth=1)
+        if before_launch is not None:
+            before_launch()
         return impl.run(p)
 
 

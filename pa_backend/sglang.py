@@ -282,11 +282,10 @@ def _build_backend_class():
         @staticmethod
         def _check_model_layers(runner):
             """At start-up (SGLang builds attention backends after loading the model): reject what the
-            forward would refuse at the first request — embedding / encoder-only models, cross-attention,
-            non-causal layers, logit soft-capping (Gemma-2, Grok) — naming the working combination."""
-            if getattr(runner, "is_generation", True) is False:
-                raise ValueError("--attention-backend flydsl serves causal decoder (generation) models; this is an "
-                                 "embedding / encoder-only model: use --attention-backend triton for it (" + _WORKING + ")")
+            forward would refuse at the first request — encoder-only and other non-causal layers (BERT-like
+            and bidirectional embedding models), cross-attention, logit soft-capping (Gemma-2, Grok) —
+            naming the working combination. An embedding model whose layers are causal decoder layers (a
+            decoder LLM served with --is-embedding) runs causal prefill, which this backend serves."""
             model = getattr(runner, "model", None)
             if model is None or not hasattr(model, "named_modules"):
                 return
@@ -483,35 +482,31 @@ def _build_backend_class():
             return (self.token_to_kv_pool.get_key_buffer(layer.layer_id),
                     self.token_to_kv_pool.get_value_buffer(layer.layer_id))
 
-        def _prologue(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs):
-            """Shared by decode and extend: layer arguments, the K/V write, caches and the [T, Hq, D]
-            query view. The output is the plan's own fresh tensor (``out=None``: an output argument
-            would enter the per-layer check memo with a new address at almost every call)."""
+        def _attend(self, q, k, v, layer, forward_batch, save_kv_cache, kwargs, extend=False):
+            """Shared by decode and extend: the layer's arguments, then the plan's run, which checks them
+            all before it calls back for the K/V write (a refused call leaves the pool untouched). The
+            output is the plan's own fresh tensor (``out=None``: an output argument would enter the
+            per-layer check memo with a new address at almost every call)."""
             sliding_window, sinks, ks, vs = self._layer_args(layer, kwargs)
-            self._save_kv(layer, forward_batch, k, v, save_kv_cache)
             kc, vc = self._caches(layer)
             q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-            return sliding_window, sinks, ks, vs, kc, vc, q3, self.forward_metadata
+            md = self.forward_metadata
+            if extend and md.query_start_loc is None:  # a decode-shaped metadata relabelled as a 1-token extend
+                raise RuntimeError("flydsl attention backend: extend forward without extend metadata")
+            o = md.plan.run(q3, kc, vc, ks, vs, softmax_scale=layer.scaling, sliding_window=sliding_window,
+                            sinks=sinks, backend=self.pa_impl,
+                            before_launch=lambda: self._save_kv(layer, forward_batch, k, v, save_kv_cache))
+            return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
         def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
-            sliding_window, sinks, ks, vs, kc, vc, q3, md = self._prologue(q, k, v, layer, forward_batch,
-                                                                           save_kv_cache, kwargs)
-            o = md.plan.run(q3, kc, vc, ks, vs, softmax_scale=layer.scaling, sliding_window=sliding_window,
-                            sinks=sinks, backend=self.pa_impl)
-            return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+            return self._attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs)
 
         def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
             mode = forward_batch.forward_mode
             self._reject_spec(mode)
             if mode.is_target_verify():  # draft tokens: query_length rows per request, on the decode kernel
                 return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
-            sliding_window, sinks, ks, vs, kc, vc, q3, md = self._prologue(q, k, v, layer, forward_batch,
-                                                                           save_kv_cache, kwargs)
-            if md.query_start_loc is None:  # a decode-shaped metadata relabelled as a 1-token extend
-                raise RuntimeError("flydsl attention backend: extend forward without extend metadata")
-            o = md.plan.run(q3, kc, vc, ks, vs, softmax_scale=layer.scaling, sliding_window=sliding_window,
-                            sinks=sinks, backend=self.pa_impl)
-            return o.view(-1, layer.tp_q_head_num * layer.v_head_dim)
+            return self._attend(q, k, v, layer, forward_batch, save_kv_cache, kwargs, extend=True)
 
     return FlyDSLAttnBackend
 

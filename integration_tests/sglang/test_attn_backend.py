@@ -107,6 +107,28 @@ def test_sinks_kwarg():
     assert (out[0].float() - no_sink).abs().max() > 1e-2  # the sinks did change the result
 
 
+@pytest.mark.parametrize("mode", ["decode", "extend"])
+@pytest.mark.parametrize("bad", ["sinks", "query"])
+def test_refused_layer_call_leaves_the_pool_untouched(mode, bad):
+    """A layer call the plan refuses (sinks of the wrong length, a query short of the batch's rows)
+    raises ValueError before the step's new K/V reach the pool: the write runs only once every argument
+    is checked."""
+    case = H.Case(page_size=16, seed=4, **CASES[mode])
+    fx = H.build_fixture(case, num_layers=1, with_sinks=True)
+    pool = fx.flydsl.runner.token_to_kv_pool
+    before = tuple(t.clone() for t in H.slot_bytes(pool, 0))
+    q, kw = fx.q, {"sinks": fx.sinks}
+    if bad == "sinks":
+        kw = {"sinks": torch.cat([fx.sinks, fx.sinks[:1]])}
+    else:
+        q = q[:-1]
+    with pytest.raises(ValueError, match=bad):
+        H.run_side(fx.flydsl, q, fx.k, fx.v, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(before, H.slot_bytes(pool, 0)))
+    H.run_side(fx.flydsl, fx.q, fx.k, fx.v, sinks=fx.sinks)  # the same call with right arguments writes
+    assert not all(torch.equal(a, b) for a, b in zip(before, H.slot_bytes(pool, 0)))
+
+
 def test_per_tensor_scales_write_and_read():
     """Layer k_scale / v_scale (as the FP8 checkpoint loader sets them): the pool stores x / scale,
     attention multiplies by scale; the caller's K/V are not modified."""
@@ -433,8 +455,8 @@ def test_backend_rejects_mla_and_foreign_pool():
 
 @pytest.mark.parametrize("what", ["logit_cap", "cross", "encoder", "embedding"])
 def test_unsupported_models_rejected_at_start_up(what):
-    """Soft-capping, cross-attention, encoder-only and embedding models fail when the backend is
-    built (after the model is loaded), not at the first request."""
+    """Soft-capping, cross-attention, encoder-only and bidirectional embedding models fail when the
+    backend is built (after the model is loaded), not at the first request."""
     from sglang.srt.layers.radix_attention import AttentionType, RadixAttention
 
     runner = H._mock_runner_class()(**_runner_kwargs())
@@ -443,16 +465,28 @@ def test_unsupported_models_rejected_at_start_up(what):
         kw["logit_cap"] = 30.0
     elif what == "cross":
         kw["is_cross_attention"] = True
-    elif what == "encoder":
+    elif what in ("encoder", "embedding"):
         kw["attn_type"] = AttentionType.ENCODER_ONLY
     runner.model.attn = RadixAttention(**kw)
     if what == "embedding":
         runner.is_generation = False
     match = {"logit_cap": "soft-capping", "cross": "cross-attention", "encoder": "non-causal",
-             "embedding": "embedding"}[what]
+             "embedding": "non-causal"}[what]
     with pytest.raises(ValueError, match=match) as ei:
         pas.FlyDSLAttnBackend(runner, pa_impl="torch")
     assert "--attention-backend triton" in str(ei.value)
+
+
+def test_causal_embedding_model_is_accepted():
+    """An embedding model whose layers are causal decoder layers (a decoder LLM with --is-embedding, which
+    SGLang runs as extend batches: the path test_matches_torch_native checks) starts; the backend's forward
+    does not depend on ``is_generation``."""
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    runner = H._mock_runner_class()(**_runner_kwargs())
+    runner.model.attn = RadixAttention(num_heads=8, head_dim=64, scaling=0.125, num_kv_heads=2, layer_id=0)
+    runner.is_generation = False
+    assert isinstance(pas.FlyDSLAttnBackend(runner, pa_impl="torch"), pas.FlyDSLAttnBackend)
 
 
 def test_import_does_not_pull_sglang():
