@@ -126,6 +126,11 @@ def test_completions_follow_the_kv_and_match_hf(server, model_dir):
     impl = expected_impl()
     assert re.search(rf"\(EngineCore[^)]*\) INFO flydsl_backends: pa_(decode|prefill): backend='auto' chose '{impl}'",
                      log), log[-4000:]
+    if on_cuda():
+        # nothing in the API server's process initialised CUDA (the plugin once did, by importing a KDA layer
+        # module): vLLM would then spawn the engine core, where a real `vllm serve` cannot unpickle FLYDSL
+        # (this harness's __mp_main__ loads the plugin there, which would hide it)
+        assert "Reasons: CUDA is initialized" not in log, log[-4000:]
 
 
 def test_sigterm_shuts_down_cleanly(server):
