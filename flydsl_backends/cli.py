@@ -24,6 +24,8 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from backend_core.cliargs import comma_list, positive_int
+
 from . import ops as _ops
 
 
@@ -161,10 +163,7 @@ def cmd_accuracy(args) -> int:
     goes. On a GPU 2000 steps; on the CPU interpreter a few dozen, on small shapes."""
     from backend_core import platform
 
-    steps = args.steps if args.steps is not None else (2000 if platform.has_gpu() else 40)
-    if steps < 1:
-        print(f"--steps: expected a positive count, got {steps}")
-        return 2
+    steps = args.steps if args.steps is not None else (2000 if platform.has_gpu() else 40)  # argparse: >= 1
     progress = (lambda line: print(line, flush=True)) if steps >= 200 else None
 
     def run(fam, impls, device, small):
@@ -185,7 +184,19 @@ def cmd_bench(args) -> int:
         print("bench needs a CUDA/ROCm GPU; this machine has none (timings on the CPU interpreter mean nothing); "
               "`bench pa --host` measures the per-layer host time on any machine")
         return 2
-    rows = _ops.get(args.op).run_bench(args)
+    fam = _ops.get(args.op)
+    known = set().union(*(reg.names() for reg in fam.op_registries().values()))
+    if args.impl is None:  # the default: the kernels this family has
+        args.impl = [name for name in ("triton", "flydsl") if name in known] or sorted(known)
+    unknown = [name for name in args.impl if name not in known]
+    if unknown:
+        print(f"--impl: {', '.join(unknown)} not an implementation of {args.op} (known: {', '.join(sorted(known))})",
+              file=sys.stderr)
+        return 2
+    if getattr(args, "host", False) and args.out:
+        print("--out: `bench pa --host` prints its figures and writes no CSV", file=sys.stderr)
+        return 2
+    rows = fam.run_bench(args)
     if isinstance(rows, int):  # the op printed its own result
         return rows
     dev = platform.device_info().name.replace(" ", "_")
@@ -193,6 +204,23 @@ def cmd_bench(args) -> int:
     write_rows(out, rows)
     print(f"{len(rows)} rows appended to {out}")
     return 0
+
+
+def _environment_error() -> Optional[str]:
+    """The first malformed setting among the package's environment variables (the implementation
+    overrides, FLYDSL_BACKENDS_SOURCE, FLYDSL_BACKENDS_TRITON_DIRECT), as one line; None when all parse.
+    A server would raise the same error at its first call."""
+    from backend_core.flydsl_source import requested_source
+
+    try:
+        requested_source()
+        for fam in _ops.OPS:
+            for reg in fam.op_registries().values():
+                reg.requested_backend("auto")
+        import backend_core.launch  # noqa: F401  (parses FLYDSL_BACKENDS_TRITON_DIRECT at import)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,13 +239,16 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--op", default="all", choices=("all",) + _ops.names())
     a.add_argument("--backend", action="append",
                    help="only these implementations (repeatable or a comma list; exit status 2 if one cannot run here)")
-    a.add_argument("--steps", type=int, default=None, help="decode steps (default: 2000 on a GPU, 40 without one)")
+    a.add_argument("--steps", type=positive_int, default=None,
+                   help="decode steps (default: 2000 on a GPU, 40 without one)")
     a.add_argument("--small", action="store_true", help="small shapes even on a GPU")
     b = sub.add_parser("bench", help="CUDA-graph timings, CSV rows under benchmarks/results/")
     b.add_argument("op", choices=_ops.names())
-    b.add_argument("--impl", default="triton,flydsl",
-                   help="comma list of implementations to time (those that cannot serve a case are skipped)")
-    b.add_argument("--trials", type=int, default=50)
+    b.add_argument("--impl", default=None, type=comma_list(),
+                   help="comma list of implementations to time (default triton,flydsl, those the op has; "
+                        "those that cannot serve a case are skipped)")
+    b.add_argument("--trials", type=positive_int, default=50,
+                   help="timed replays per row, the median reported (pa --host: 20 x this many layer calls)")
     for fam in _ops.OPS:  # each family's own flags (their help names the op)
         fam.add_bench_args(b)
     b.add_argument("--out", default=None, help="CSV path (default benchmarks/results/<op>_decode_<device>_<date>.csv)")
@@ -227,6 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    bad = _environment_error()
+    if bad is not None:
+        print(f"error: {bad}", file=sys.stderr)
+        return 2
     return {"info": cmd_info, "verify": cmd_verify, "accuracy": cmd_accuracy, "bench": cmd_bench}[args.cmd](args)
 
 

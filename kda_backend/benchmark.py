@@ -135,11 +135,16 @@ def run_bench(batches: Sequence[int] = (1, 32, 128), H: int = 12, K: int = 128, 
 
 def add_bench_args(parser) -> None:
     """``flydsl-backends bench kda`` flags."""
-    parser.add_argument("--batches", default="1,32,128", help="kda: comma list of batch sizes")
-    parser.add_argument("--heads", type=int, default=12, help="kda: heads per rank")
-    parser.add_argument("--head-dim", type=int, default=128, help="kda: K = V")
-    parser.add_argument("--state-dtypes", default="fp32,bf16", help="kda: comma list of fp32/bf16")
-    parser.add_argument("--f-b", default="off,on", help="kda: comma list of off/on")
+    from backend_core.cliargs import comma_list, positive_int
+
+    parser.add_argument("--batches", default=[1, 32, 128], type=comma_list(item=positive_int),
+                        help="kda: comma list of batch sizes (default 1,32,128)")
+    parser.add_argument("--heads", type=positive_int, default=12, help="kda: heads per rank")
+    parser.add_argument("--head-dim", type=positive_int, default=128, help="kda: K = V")
+    parser.add_argument("--state-dtypes", default=["fp32", "bf16"], type=comma_list(("fp32", "bf16")),
+                        help="kda: comma list of fp32/bf16 (default both)")
+    parser.add_argument("--f-b", default=["off", "on"], type=comma_list(("off", "on")),
+                        help="kda: comma list of off/on (default both)")
     parser.add_argument("--lower-bound", type=float, default=None, help="kda: safe-gate lower bound (Kimi-K3: -5)")
     parser.add_argument("--no-fla", action="store_true", help="kda: skip the composed fla-core baseline")
 
@@ -152,7 +157,7 @@ def bench_cli(args):
               "`bench kda` times the decode itself, on a GPU")
         return 2
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    return run_bench(batches=[int(b) for b in args.batches.split(",")], H=args.heads, K=args.head_dim,
-                     state_dtypes=[dtypes[d] for d in args.state_dtypes.split(",")],
-                     f_b_modes=[m == "on" for m in args.f_b.split(",")], lower_bound=args.lower_bound,
-                     impls=args.impl.split(","), trials=args.trials, with_fla=not args.no_fla)
+    return run_bench(batches=args.batches, H=args.heads, K=args.head_dim,
+                     state_dtypes=[dtypes[d] for d in args.state_dtypes],
+                     f_b_modes=[m == "on" for m in args.f_b], lower_bound=args.lower_bound,
+                     impls=args.impl, trials=args.trials, with_fla=not args.no_fla)

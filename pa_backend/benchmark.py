@@ -439,16 +439,20 @@ def _point(us: float):
 
 def add_bench_args(parser) -> None:
     """``flydsl-backends bench pa`` flags."""
+    from backend_core.cliargs import nonnegative_int, positive_int
+
     parser.add_argument("--no-baseline", action="store_true", help="pa: skip the torch gather + SDPA baseline")
-    parser.add_argument("--table-tokens", type=int, default=TABLE_TOKENS,
-                        help=f"pa: block-table width in tokens (a server's max-model-len; default {TABLE_TOKENS})")
-    parser.add_argument("--calls-per-graph", type=int, default=16,
+    parser.add_argument("--table-tokens", type=nonnegative_int, default=TABLE_TOKENS,
+                        help=f"pa: block-table width in tokens (a server's max-model-len; default {TABLE_TOKENS}; "
+                             "0: each case's table exactly as wide as its longest context)")
+    parser.add_argument("--calls-per-graph", type=positive_int, default=16,
                         help="pa: calls captured per CUDA graph, each reading its own layer's caches (each graph row "
                              "is one replay / this count; a server's step replays every layer in one graph; "
                              "default 16)")
     parser.add_argument("--host", action="store_true",
-                        help="pa: only the per-layer host time (plan.run, the eager op, write_kv); runs on CPU too "
-                             "(null kernels; on a GPU also the Triton kernels)")
+                        help="pa: only the per-layer host time (plan.run, the eager op, write_kv), printed; runs on "
+                             "CPU too (null kernels; on a GPU also the Triton kernels); of the other flags only "
+                             "--table-tokens and --trials apply")
 
 
 def bench_cli(args):
@@ -466,5 +470,5 @@ def bench_cli(args):
             print(f"  {impl}" + _LAUNCH_LABEL[direct] + ": "
                   + ", ".join(f"{k} {v:.1f} us" for k, v in res.items()))
         return 0
-    return run_bench(impls=args.impl.split(","), trials=max(args.trials, 30), baseline=not args.no_baseline,
+    return run_bench(impls=args.impl, trials=args.trials, baseline=not args.no_baseline,
                      table_tokens=args.table_tokens, calls_per_graph=args.calls_per_graph)

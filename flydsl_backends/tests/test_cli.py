@@ -89,6 +89,54 @@ def test_bench_kda_host_says_it_is_the_paged_ops_mode(capsys):
     assert "bench pa --host" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv, flag", [
+    (["bench", "pa", "--host", "--trials", "0"], "--trials"),
+    (["bench", "pa", "--host", "--trials", "-1"], "--trials"),
+    (["bench", "pa", "--calls-per-graph", "0"], "--calls-per-graph"),
+    (["bench", "pa", "--table-tokens", "-1"], "--table-tokens"),
+    (["bench", "kda", "--batches", "a"], "--batches"),
+    (["bench", "kda", "--batches", "1,0"], "--batches"),
+    (["bench", "kda", "--heads", "0"], "--heads"),
+    (["bench", "kda", "--state-dtypes", "fp16"], "--state-dtypes"),
+    (["bench", "kda", "--f-b", "yes"], "--f-b"),
+    (["accuracy", "--steps", "0"], "--steps"),
+])
+def test_bad_flag_values_are_refused_by_name(argv, flag, capsys):
+    """A bad value is one argparse error naming its flag (exit 2) before any work: no traceback after the
+    GPU setup, no value silently replaced or ignored."""
+    with pytest.raises(SystemExit) as ei:
+        cli.main(argv)
+    assert ei.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and "Traceback" not in err, err
+
+
+def test_bench_checks_impl_names_and_host_flags(capsys):
+    """``--impl`` names are checked against the family's implementations before anything runs, also with
+    ``--host``; ``--out`` with ``--host`` (which prints and writes no CSV) is refused, not ignored."""
+    assert cli.main(["bench", "pa", "--host", "--impl", "nosuch", "--trials", "1"]) == 2
+    assert "--impl: nosuch not an implementation of pa" in capsys.readouterr().err
+    assert cli.main(["bench", "pa", "--host", "--trials", "1", "--out", "x.csv"]) == 2
+    assert "--out" in capsys.readouterr().err
+    assert cli.main(["bench", "pa", "--host", "--trials", "1"]) == 0
+    assert "null: plan.run" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("var, value", [("FLYDSL_BACKENDS_KDA", "trition"), ("FLYDSL_BACKENDS_PA", "nosuch"),
+                                        ("FLYDSL_BACKENDS_SOURCE", "aitr"), ("FLYDSL_BACKENDS_TRITON_DIRECT", "yes")])
+def test_malformed_environment_is_one_error_line(var, value, capsys, monkeypatch):
+    """``info`` (and every command) reports a misspelled setting as one line, exit 2, instead of passing and
+    leaving the error to a server's first call (or, for FLYDSL_BACKENDS_TRITON_DIRECT, a traceback)."""
+    import sys as _sys
+
+    monkeypatch.setenv(var, value)
+    if var == "FLYDSL_BACKENDS_TRITON_DIRECT":  # parsed at import
+        monkeypatch.delitem(_sys.modules, "backend_core.launch", raising=False)
+    assert cli.main(["info"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and var in err and value in err and "Traceback" not in err, err
+
+
 def test_package_imports_without_triton_or_frameworks():
     code = ("import sys; import flydsl_backends, kda_backend, backend_core, flydsl_backends.cli; "
             "bad = [m for m in ('triton', 'flydsl', 'sglang', 'vllm', 'aiter') if m in sys.modules]; "

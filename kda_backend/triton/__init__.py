@@ -58,8 +58,15 @@ def launch_config(K: int, R: int, has_f_b: bool, pairs_class: int, sms: int) -> 
     # The f_b variant re-forms the [K, R] projection in every program, so it does not split.
     while not has_f_b and pairs_class * nv < 2 * max(sms, 1) and K // (2 * nv) >= 16:
         nv *= 2
-    bv = int(os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_BV", K // nv))
-    warps = int(os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_WARPS", 2 if K <= 32 else 4))
+    try:
+        bv = int(os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_BV", K // nv))
+        warps = int(os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_WARPS", 2 if K <= 32 else 4))
+    except ValueError:
+        raise ValueError("FLYDSL_BACKENDS_KDA_TRITON_BV / FLYDSL_BACKENDS_KDA_TRITON_WARPS: expected integers, got "
+                         f"{os.environ.get('FLYDSL_BACKENDS_KDA_TRITON_BV')!r} / "
+                         f"{os.environ.get('FLYDSL_BACKENDS_KDA_TRITON_WARPS')!r}") from None
+    if warps < 1 or warps & (warps - 1):
+        raise ValueError(f"FLYDSL_BACKENDS_KDA_TRITON_WARPS={warps}: expected a power of two >= 1")
     if bv < 1 or K % bv or bv & (bv - 1):
         raise ValueError(f"FLYDSL_BACKENDS_KDA_TRITON_BV={bv}: expected a power of two dividing V={K}")
     br = max(16, 1 << (max(R, 1) - 1).bit_length())

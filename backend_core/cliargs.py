@@ -1,0 +1,47 @@
+"""argparse types shared by the CLI (``flydsl_backends.cli``) and the op families' ``bench`` flags: a bad
+value is refused by argparse with the flag's name, before any work starts."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["positive_int", "nonnegative_int", "comma_list"]
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (argparse names the flag in its error)."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def nonnegative_int(text: str) -> int:
+    """argparse type: an integer >= 0."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def comma_list(choices=None, item=str):
+    """argparse type: a comma list of ``item`` values (each in ``choices`` when given)."""
+    def parse(text: str):
+        out = []
+        for raw in text.split(","):
+            raw = raw.strip()
+            try:
+                v = item(raw)
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                raise argparse.ArgumentTypeError(f"{raw!r} in {text!r}: {exc}") from None
+            if choices is not None and v not in choices:
+                raise argparse.ArgumentTypeError(f"{raw!r} in {text!r}: expected one of {', '.join(choices)}")
+            out.append(v)
+        return out
+    return parse
