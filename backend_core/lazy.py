@@ -52,18 +52,22 @@ _after_log = logging.getLogger("flydsl_backends")
 
 
 class _CallbackLoader(importlib.abc.Loader):
-    """The module's own loader, then the callbacks on the executed module (their errors are logged,
-    never raised into the import)."""
+    """The module's own loader, then the callbacks still pending for it on the executed module (taken
+    only here: a spec that is found but never executed, e.g. ``importlib.util.find_spec`` probing
+    whether a module exists, leaves them for the real import). Their errors are logged, never raised
+    into the import."""
 
-    def __init__(self, loader, callbacks):
-        self._loader, self._callbacks = loader, callbacks
+    def __init__(self, loader, finder, name):
+        self._loader, self._finder, self._name = loader, finder, name
 
     def create_module(self, spec):
         return self._loader.create_module(spec)
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        for cb in self._callbacks:
+        with self._finder._lock:
+            callbacks = self._finder.pending.pop(self._name, [])
+        for cb in callbacks:
             try:
                 cb(module)
             except Exception as exc:  # a hook must not break the framework's import
@@ -95,10 +99,7 @@ class _AfterImportFinder(importlib.abc.MetaPathFinder):
             return None
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        with self._lock:
-            callbacks = self.pending.pop(fullname, None)
-        if callbacks:
-            spec.loader = _CallbackLoader(spec.loader, callbacks)
+        spec.loader = _CallbackLoader(spec.loader, self, fullname)
         return spec
 
 

@@ -25,6 +25,7 @@ def test_after_import_runs_once_the_module_is_imported(tmp_path, monkeypatch, ca
     here), runs once on the executed module, and its error is logged, not raised into the import; a
     module already imported gets its callback at once."""
     import importlib
+    import importlib.util
     import logging
     import sys
 
@@ -43,6 +44,8 @@ def test_after_import_runs_once_the_module_is_imported(tmp_path, monkeypatch, ca
 
     after_import("fb_after_b", broken)
     try:
+        assert importlib.util.find_spec("fb_after_a") is not None and seen == []  # a probe, not an import
+        assert "fb_after_a" not in sys.modules
         mod = importlib.import_module("fb_after_a")
         assert seen == [("first", "fb_after_a", 42), ("second", 42)]
         assert mod.__loader__.get_source("fb_after_a") == "VALUE = 41 + 1\n"  # the module's own loader underneath
