@@ -214,10 +214,11 @@ def _environment_error() -> Optional[str]:
 
     try:
         requested_source()
+        import backend_core.launch  # noqa: F401  (parses FLYDSL_BACKENDS_TRITON_DIRECT at import)
+
         for fam in _ops.OPS:
             for reg in fam.op_registries().values():
                 reg.requested_backend("auto")
-        import backend_core.launch  # noqa: F401  (parses FLYDSL_BACKENDS_TRITON_DIRECT at import)
     except ValueError as exc:
         return str(exc)
     return None
@@ -256,12 +257,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
-    bad = _environment_error()
+    bad = _environment_error()  # first: building the parser imports the families, which read some of them
     if bad is not None:
         print(f"error: {bad}", file=sys.stderr)
         return 2
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     return {"info": cmd_info, "verify": cmd_verify, "accuracy": cmd_accuracy, "bench": cmd_bench}[args.cmd](args)
 
 

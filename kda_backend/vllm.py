@@ -101,7 +101,7 @@ KIMI_K3_MODULE = "vllm.models.kimi_k3.amd.kda"
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off", "")
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entered by the after-import callbacks of a module imported under it
 _registered: Dict[str, type] = {}
 _logged: set = set()
 _cover_cache: Dict[tuple, Tuple[bool, str]] = {}
@@ -355,7 +355,12 @@ def register_layer_hooks() -> bool:
     ``vllm.models.kimi_k3.amd.kda`` imports; otherwise it is skipped with a debug log. The vLLM plugin
     calls ``install_layer_hooks`` instead, which makes the same registrations without the imports.
     """
+    import importlib
+
     with _lock:
+        # the module first: with install_layer_hooks in place its import registers the layer itself (the
+        # class is then built once, not again inside its own builder)
+        importlib.import_module(KIMI_LINEAR_MODULE)
         ok = _register(KIMI_LINEAR_LAYER, kimi_linear_layer_class)
         _register_k3()
         return ok
@@ -363,10 +368,13 @@ def register_layer_hooks() -> bool:
 
 def _register_k3() -> None:
     try:
+        import importlib
+
         from vllm.platforms import current_platform
 
         if not current_platform.is_rocm():
             raise ImportError("not a ROCm platform (NVIDIA's KimiK3DeltaAttention shares the name)")
+        importlib.import_module(KIMI_K3_MODULE)  # as above: its import may register it
         _register(KIMI_K3_LAYER, kimi_k3_layer_class)
     except Exception as exc:  # ImportError without aiter, or anything its import chain raises
         log.debug("KDA layer hook: Kimi-K3 (%s) not registered: %s: %s", KIMI_K3_MODULE, type(exc).__name__, exc)

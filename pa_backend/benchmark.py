@@ -207,11 +207,11 @@ def layer_sets(args: Dict[str, torch.Tensor], calls: int, share: float = 0.4,
 def _layer_copy(args: Dict[str, torch.Tensor], j: int) -> Dict[str, torch.Tensor]:
     """Layer ``j``'s arguments made from layer 0's: the caches and per-token scales with their pages
     rolled by ``j`` (the block tables stay the batch's, so the layer reads other pages' values at the
-    same addresses), the query rolled by ``j`` rows and heads, and per-tensor (0-d) scales times
-    ``1 + j / 8``."""
+    same addresses), the query rolled by ``j`` rows and heads, and per-tensor scales (one element)
+    times ``1 + j / 8``."""
     out = {}
     for k, t in args.items():
-        if t.dim() == 0:
+        if t.numel() == 1:  # a per-tensor scale (0-d or [1])
             out[k] = t * (1.0 + j / 8)
         else:  # through the bytes: FP8 tensors have no roll of their own on every device
             dims = (0, 1) if k == "query" else (0,)

@@ -127,6 +127,21 @@ def test_plugin_registers_the_layer_when_vllm_imports_it():
     assert json.loads(r.stdout.strip().splitlines()[-1]) == [[False, False, False], True]
 
 
+def test_register_after_install_imports_and_registers_once():
+    """``register_layer_hooks`` after the plugin's ``install_layer_hooks``, before vLLM imported the layer:
+    the import it makes runs the pending callback inside it, under the same lock (it hung on a
+    non-reentrant lock); the layer ends up registered once."""
+    code = ("import json\n"
+            "import kda_backend.vllm as kv\n"
+            "kv.install_layer_hooks()\n"
+            "ok = kv.register_layer_hooks()\n"
+            "from vllm.model_executor.custom_op import op_registry_oot\n"
+            "print(json.dumps([ok, op_registry_oot.get(kv.KIMI_LINEAR_LAYER) is kv.kimi_linear_layer_class()]))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.getcwd(), timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == [True, True]
+
+
 def test_layer_is_ours_only_when_hooked(monkeypatch):
     monkeypatch.delitem(op_registry_oot, kv.KIMI_LINEAR_LAYER, raising=False)
     vc = KH.make_vllm_config({"flydsl_kda": True})

@@ -159,6 +159,8 @@ def test_bench_layer_sets_copy_what_fits():
     scales = [s["key_scale"] for s in three]
     assert all(s.dim() == 0 and torch.equal(s, tensor_args["key_scale"] * (1 + j / 8)) for j, s in enumerate(scales))
     assert len({float(s) for s in scales}) == 3
+    one = dict(tensor_args, key_scale=tensor_args["key_scale"].reshape(1))  # a [1] scale is per-tensor too
+    assert torch.equal(layer_sets(one, 2, share=1.0, free=1 << 30)[1]["key_scale"], one["key_scale"] * 1.125)
 
 
 def test_bench_graph_rows_check_what_every_layer_replayed(monkeypatch):
