@@ -60,6 +60,13 @@ def _resolution_check(server_args, previous) -> None:
     pa_sglang.check_server_args(cfg, use_mla_backend(server_args) if pa_sglang.uses_flydsl_attention(cfg) else False)
 
 
+def _prefill_graph_step(server_args, previous) -> None:
+    previous(server_args)
+    import pa_backend.sglang as pa_sglang
+
+    pa_sglang.resolve_prefill_cuda_graph(server_args)
+
+
 def _create_attn_backend(runner):
     from pa_backend.sglang import FlyDSLAttnBackend  # lazy: keeps the launcher free of kernel imports
 
@@ -86,6 +93,8 @@ def register_sglang() -> None:
         add_linear_attn_kernel_backend_choices([FLYDSL])
     register_attention_backend(FLYDSL)(_create_attn_backend)
     register_resolution_hook("handle_other_validations")(_resolution_check)
+    # where SGLang decides a backend's prefill-graph default (it turns it off for trtllm_mla there too)
+    register_resolution_hook("disable_prefill_cuda_graph_for_deepseek_trtllm_mla")(_prefill_graph_step)
 
     import kda_backend.sglang as kda_sglang
     import pa_backend.sglang as pa_sglang

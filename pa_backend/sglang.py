@@ -15,6 +15,7 @@ and :func:`pa_backend.pa_prefill` (docs/design.md §4). No kernel code lives her
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Optional
 
@@ -47,6 +48,33 @@ def uses_flydsl_attention(cfg) -> bool:
     """Whether the resolved server args ``cfg`` put flydsl on the prefill or the decode attention path."""
     return FLYDSL in (cfg.prefill_attention_backend or cfg.attention_backend,
                       cfg.decode_attention_backend or cfg.attention_backend)
+
+
+def resolve_prefill_cuda_graph(server_args) -> None:
+    """Argument-resolution step (at SGLang's own prefill-graph decision for a backend): with flydsl on the
+    prefill path, SGLang's prefill CUDA graph (breakable by default on CUDA) is turned off. Its eager
+    attention segments run this backend with the graph's padded batches, which have never run on a GPU
+    with it; the decode graphs are unaffected. Asked for explicitly (``--cuda-graph-backend-prefill``),
+    it is refused with the flag to drop."""
+    from sglang.srt.arg_groups.overrides import declare_resolution, resolved_view, resolving_view
+    from sglang.srt.model_executor.cuda_graph_config import Backend, Phase, with_phase
+
+    cfg = resolving_view(server_args)
+    view = resolved_view(server_args)
+    if (view.prefill_attention_backend or view.attention_backend) != FLYDSL:
+        return
+    graphs = cfg.cuda_graph_config
+    if graphs.prefill.backend == Backend.DISABLED:
+        return
+    if (Phase.PREFILL, "backend") in getattr(server_args, "_cuda_graph_config_locked", ()):
+        raise ValueError(f"--attention-backend flydsl does not run under SGLang's prefill CUDA graph "
+                         f"({graphs.prefill.backend}): drop --cuda-graph-backend-prefill (or add "
+                         "--disable-prefill-cuda-graph); decode CUDA graphs are supported")
+    logging.getLogger("flydsl_backends.sglang").warning(
+        "--attention-backend flydsl: SGLang's prefill CUDA graph (%s) turned off (prefill runs eagerly; decode "
+        "CUDA graphs stay on)", graphs.prefill.backend)
+    declare_resolution(server_args, "flydsl_backends_disable_prefill_cuda_graph",
+                       cuda_graph_config=with_phase(graphs, Phase.PREFILL, backend=Backend.DISABLED))
 
 
 def check_server_args(cfg, is_mla: bool) -> None:

@@ -12,9 +12,22 @@ from sglang.srt.plugins import load_plugins
 
 load_plugins()  # what python -m sglang.launch_server does before prepare_server_args
 
+if os.environ.get("FLYDSL_PROBE_CUDA_DEFAULTS") == "1":
+    # SGLang's CUDA default for the prefill CUDA graph (breakable) on this CPU machine
+    import sglang.srt.model_executor.cuda_graph_config as _cgc
+
+    _cgc.default_prefill_backend = lambda: _cgc.Backend.BREAKABLE
+
 from sglang.srt.server_args import prepare_server_args  # noqa: E402
 
 ENV = dict(os.environ)
+def _prefill_graph(a):
+    from sglang.srt.arg_groups.overrides import resolved_view
+
+    graphs = getattr(resolved_view(a), "cuda_graph_config", None)
+    return None if graphs is None else str(graphs.prefill.backend)
+
+
 FIELDS = ("attention_backend", "decode_attention_backend", "prefill_attention_backend",
           "linear_attn_decode_backend", "kv_cache_dtype", "page_size", "tp_size")
 results = []
@@ -26,7 +39,8 @@ for argv in json.loads(sys.argv[1]):
     try:
         a = prepare_server_args(argv)
         a.resolve_once()
-        results.append({"ok": True, "error": "", "args": {f: getattr(a, f, None) for f in FIELDS}})
+        results.append({"ok": True, "error": "", "args": dict({f: getattr(a, f, None) for f in FIELDS},
+                                                               prefill_graph=_prefill_graph(a))})
     except SystemExit as e:  # argparse rejected a flag / choice
         results.append({"ok": False, "error": f"SystemExit({e.code})", "args": {}})
     except Exception as e:  # noqa: BLE001 - reported to the test

@@ -173,6 +173,21 @@ def test_flags_parse_and_resolve_through_installed_plugin(models):
     assert (a["attention_backend"], a["kv_cache_dtype"], a["page_size"]) == ("flydsl", "fp8_e4m3", 16)
 
 
+def test_prefill_cuda_graph_is_off_for_flydsl_with_cuda_defaults(models):
+    """SGLang turns its breakable prefill CUDA graph on by default on CUDA (the probe applies that default on
+    this CPU machine): with flydsl on the prefill path it is turned off at resolution (never run with this
+    backend), other backends keep it, and asking for it explicitly is refused naming the flag to drop."""
+    llama, fp8 = models["llama"], ["--kv-cache-dtype", "fp8_e4m3", "--page-size", "16"]
+    cases = [["--model-path", llama, "--attention-backend", "flydsl", *fp8],
+             ["--model-path", llama, "--decode-attention-backend", "flydsl", "--prefill-attention-backend", "flydsl",
+              *fp8],
+             ["--model-path", llama, "--attention-backend", "triton", *fp8],
+             ["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--cuda-graph-backend-prefill", "breakable"]]
+    out = _probe([argv + COMMON for argv in cases], env_extra={"FLYDSL_PROBE_CUDA_DEFAULTS": "1"})["results"]
+    assert [r["args"].get("prefill_graph") for r in out[:3]] == ["disabled", "disabled", "breakable"], out
+    assert not out[3]["ok"] and "drop --cuda-graph-backend-prefill" in out[3]["error"], out[3]
+
+
 def test_without_the_plugin_sglang_rejects_flydsl(models):
     """The control: with the plugin filtered out (SGLANG_PLUGINS names another plugin), SGLang's own
     parser refuses ``flydsl`` — so the acceptance above is the plugin's doing."""
