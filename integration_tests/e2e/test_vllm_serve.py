@@ -1,5 +1,9 @@
-"""``vllm serve`` (vLLM 0.33's OpenAI API server) with ``--attention-backend FLYDSL`` and an FP8 KV
-cache (issue 16 item 1), on CPU (CI) or on an NVIDIA GPU (``benchmarks/device_run.sh serve-vllm``).
+"""``vllm serve`` (vLLM 0.33's OpenAI API server) with the flydsl backend and an FP8 KV cache (issue 16
+item 1), on CPU (CI) or on an NVIDIA GPU (``benchmarks/device_run.sh serve-vllm``). The backend's name is
+the one a user would give there: ``CUSTOM`` on CPU, whose platform always spawns the engine core (a
+spawned process cannot unpickle the plugin's ``FLYDSL`` member before its plugins load), ``FLYDSL`` on
+a GPU (the engine core is forked unless something initialised CUDA in the API server: the log is
+checked for that).
 
 The server runs as a subprocess (``python -m integration_tests.e2e.vllm_serve``: ``vllm serve``'s
 own command line, plus the extension stand-ins in the API-server and engine-core processes: the
@@ -58,7 +62,8 @@ class Server(ServerProcess):
             device_args = ["--enforce-eager", "-cc", '{"custom_ops": ["none"]}']
         cmd = [sys.executable, "-m", "integration_tests.e2e.vllm_serve", self.model,
                "--host", "127.0.0.1", "--port", str(self.port),
-               "--attention-backend", "FLYDSL", "--kv-cache-dtype", "fp8", "--block-size", "16",
+               "--attention-backend", "FLYDSL" if on_cuda() else "CUSTOM",
+               "--kv-cache-dtype", "fp8", "--block-size", "16",
                "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "8",
                "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", *device_args]
         self.start(cmd, env)

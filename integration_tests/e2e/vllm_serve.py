@@ -14,9 +14,11 @@ vLLM's OpenAI server always runs the engine core in a separate process, and the 
 starts it with ``spawn``. A spawned child imports the parent's main module under the name
 ``__mp_main__`` before it unpickles its arguments, so this module's top level is where the child
 gets what ``prepare()`` supplies (the extension stand-ins, the platform honouring the named
-backend) and the installed ``vllm.general_plugins`` (the ``FLYDSL`` member must exist before the
-engine config that names it is unpickled); a forked child inherits them. Nothing happens on a plain
-``import`` of this module.
+backend); a forked child inherits them. The plugins are left to vLLM, as in a real ``vllm serve``:
+its CLI loads them in the API server, and the engine core loads them after it has unpickled its
+config. So a spawned engine core fails on ``--attention-backend FLYDSL`` (a member the plugin adds)
+exactly as a user's would, and takes ``CUSTOM``. Nothing happens on a plain ``import`` of this
+module.
 
 The ``flydsl_backends`` loggers print to stderr at INFO in both processes, so the server log shows
 the plugin registering and which implementation the paged-attention calls chose.
@@ -47,9 +49,6 @@ def _prepare_process() -> None:
         from integration_tests.e2e import vllm_cpu
 
         vllm_cpu.prepare()
-    from vllm.plugins import load_general_plugins
-
-    load_general_plugins()
 
 
 def main(argv=None) -> None:
