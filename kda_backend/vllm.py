@@ -77,6 +77,7 @@ load. :func:`register_layer_hooks` makes them at once (importing the modules).
 from __future__ import annotations
 
 import functools
+import importlib
 import logging
 import threading
 from typing import Dict, Optional, Tuple
@@ -317,8 +318,6 @@ def _make_subclass(base: type, name: str) -> type:
 @functools.lru_cache(maxsize=None)
 def kimi_linear_layer_class() -> type:
     """Our subclass of vLLM's ``KimiGatedDeltaNetAttention`` (built on first call)."""
-    import importlib
-
     base = getattr(importlib.import_module(KIMI_LINEAR_MODULE), KIMI_LINEAR_LAYER)
     return _make_subclass(base, "FlyDSLKimiGatedDeltaNetAttention")
 
@@ -326,8 +325,6 @@ def kimi_linear_layer_class() -> type:
 @functools.lru_cache(maxsize=None)
 def kimi_k3_layer_class() -> type:
     """Our subclass of ROCm's ``KimiK3DeltaAttention`` (raises ImportError without ROCm + aiter)."""
-    import importlib
-
     base = getattr(importlib.import_module(KIMI_K3_MODULE), KIMI_K3_LAYER)
     return _make_subclass(base, "FlyDSLKimiK3DeltaAttention")
 
@@ -355,8 +352,6 @@ def register_layer_hooks() -> bool:
     ``vllm.models.kimi_k3.amd.kda`` imports; otherwise it is skipped with a debug log. The vLLM plugin
     calls ``install_layer_hooks`` instead, which makes the same registrations without the imports.
     """
-    import importlib
-
     with _lock:
         # the module first: with install_layer_hooks in place its import registers the layer itself (the
         # class is then built once, not again inside its own builder)
@@ -368,8 +363,6 @@ def register_layer_hooks() -> bool:
 
 def _register_k3() -> None:
     try:
-        import importlib
-
         from vllm.platforms import current_platform
 
         if not current_platform.is_rocm():

@@ -44,6 +44,9 @@ _SPEC_WORKING = ("--speculative-algorithm EAGLE3 --speculative-eagle-topk 1 --sp
                  "--speculative-num-draft-tokens 3 --speculative-draft-attention-backend triton")
 
 
+log = logging.getLogger("flydsl_backends.sglang")
+
+
 def uses_flydsl_attention(cfg) -> bool:
     """Whether the resolved server args ``cfg`` put flydsl on the prefill or the decode attention path."""
     return FLYDSL in (cfg.prefill_attention_backend or cfg.attention_backend,
@@ -70,7 +73,7 @@ def resolve_prefill_cuda_graph(server_args) -> None:
         raise ValueError(f"--attention-backend flydsl does not run under SGLang's prefill CUDA graph "
                          f"({graphs.prefill.backend}): drop --cuda-graph-backend-prefill (or add "
                          "--disable-prefill-cuda-graph); decode CUDA graphs are supported")
-    logging.getLogger("flydsl_backends.sglang").warning(
+    log.warning(
         "--attention-backend flydsl: SGLang's prefill CUDA graph (%s) turned off (prefill runs eagerly; decode "
         "CUDA graphs stay on)", graphs.prefill.backend)
     declare_resolution(server_args, "flydsl_backends_disable_prefill_cuda_graph",
