@@ -1,10 +1,13 @@
-"""One B=81 ctx=8192 decode call (for ncu). Variant from the PA_PROBE_* / FLYDSL_* env."""
+"""One paged-decode call for ncu (default B=81 ctx=8192 ql 1). NCU_CASE="B,ctx,ql" picks another case
+(e.g. "200,200000,4", the ql 4 decode); 128k-token tables when NCU_TABLE_TOKENS is set (tokens).
+Variant from the PA_PROBE_* / FLYDSL_* env."""
 import os, sys
 import torch
 sys.path.insert(0, os.getcwd())
 from pa_backend import pa_decode
 from pa_backend.benchmark import bench_case
-kw = bench_case(81, 8192, 1, 16, 1, 128, 16, "tensor", "cuda")
+B, ctx, ql = (int(x) for x in os.environ.get("NCU_CASE", "81,8192,1").split(","))
+kw = bench_case(B, ctx, ql, 16, 1, 128, 16, "tensor", "cuda", table_tokens=int(os.environ.get("NCU_TABLE_TOKENS", 0)))
 out = torch.empty_like(kw["query"])
 for _ in range(2):
     pa_decode(**kw, out=out, backend="triton")
