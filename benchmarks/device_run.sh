@@ -3,7 +3,7 @@
 # bench-kda bench-pa bench-pa-nreg<N>
 # sweep-pa e2e-vllm
 # e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang spec-sglang kimi-sglang
-# probe-warps probe-grid probe-tail probe-short probe-short-vllm profile-vllm host-vllm host-sglang small-work ncu-decode
+# probe-warps probe-grid probe-tail probe-short probe-short-vllm profile-vllm host-vllm host-sglang small-work ncu-decode gluon-decode
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
 # Optional wheels (fla-core for the composed KDA baseline) travel in .whl/ and go to /tmp/site.
@@ -136,6 +136,9 @@ for step in $steps; do
                        backend_core/tests/test_launch.py -p no:cacheprovider -x &&
                      PROBE_CASES=small PROBE_VARIANTS=tree python3 benchmarks/pa_probe/short_probe.py 60 &&
                      PROBE_SETTINGS=default PROBE_CONFIGS=0,1,3 python3 benchmarks/pa_probe/warps_probe.py 120") ;;
+    # the warp-specialized Gluon partition kernel for the ql 4 decode against the shipped one (accuracy, graph
+    # timings; benchmarks/pa_probe/gluon_decode.py; GL_MAXNREG: the launch's register cap, 128 = 2 CTAs per SM)
+    gluon-decode) cmd=(env GL_MAXNREG="${GL_MAXNREG:-128}" python3 benchmarks/pa_probe/gluon_decode.py "${PROBE_SECONDS:-240}") ;;
     # ncu of one decode call's partition kernel (NCU_CASE="B,ctx,ql", default the ql 4 decode at 200k, 128k
     # tables): speed of light, pipe utilization, warp stalls, occupancy
     ncu-decode) cmd=(env NCU_CASE="${NCU_CASE:-200,200000,4}" NCU_TABLE_TOKENS="${NCU_TABLE_TOKENS:-131072}"

@@ -1,0 +1,342 @@
+"""Probe: a warp-specialized Gluon partition kernel for the multi-token decode (NVIDIA sm_90).
+
+Question (benchmarks/NOTES.md, fifteenth session): the ql 4 decode (B=200, 200k context, Hq=16, Hkv=1, D=128,
+page 16, per-tensor scales, 128k tables) runs at ~41% of the copy bandwidth on the H200 with the shipped
+Triton kernel, bound inside the SM by one warpgroup's serial chain (load, Q.K, softmax, widen V, P.V). The
+issue's target is 70%. Prediction: a producer warp that owns the copies (cp.async into a ring of NBUF K/V
+slots, handed over with mbarriers) lets the consumer warpgroup's chain run without waiting for memory, and
+the two resident CTAs of an SM overlap their chains.
+
+Design (the shipped kernel's split, workspace and reduce are reused unchanged: this replaces only the
+partition kernel's grid launch for M = 64 rows, D = 128, 16-token pages, the 4-D value layout, per-tensor
+scales, no window):
+* grid (items, Hkv, P) as the shipped grid launch; a program's partition [start, end) comes from the same
+  device-side split (``_partition_span``);
+* worker partition, 1 warp: for each 64-token tile, gathers the tile's 4 block ids and issues cp.async
+  copies of K [BT, D] (16-byte pieces of the x-packed layout) and V^T [D, BT] (16 tokens contiguous) into
+  slot j % NBUF (tokens past the partition's end are zero-filled: no stale id is dereferenced, no NaN byte
+  of an unused slot enters), then hands tile j - NBUF + 1 over once its copies have landed
+  (wait_group, proxy fence, mbarrier arrive);
+* default partition, 4 warps (one warpgroup): the query as two FP8 tiles in shared memory (hi + lo / 16,
+  exact: the shipped ``_split_query_fp8``), S = hi.K^T + (lo.K^T) / 16 on FP8 wgmma straight from the K
+  slot, V widened FP8 -> FP16 through registers into a wgmma operand buffer, the slot released, online
+  softmax in registers (exp2, log2 units), acc += P.V (P from registers);
+* the partial (m in natural-log units, l, acc times the V scale) goes to the shipped workspace.
+
+Run on a GPU: ``python3 benchmarks/pa_probe/gluon_decode.py [seconds]`` (accuracy against float64 and the
+shipped kernel, then CUDA-graph timings of both, several NBUF). On CPU: ``--compile`` compiles it for sm_90
+and prints ptxas' registers / spills (no interpreter runs Gluon).
+"""
+import math
+import os
+import sys
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
+    warpgroup_mma_wait
+
+sys.path.insert(0, os.getcwd())
+
+CTX_CAP = gl.constexpr(1 << 30)
+
+
+@gluon.jit
+def _span(p_cl, stride_cl, i_s, i_p, P, few_target, min_pt, long_pt, max_tokens, ALIGN: gl.constexpr):
+    """(context, start, end, live partitions) of partition i_p of decode item i_s: the shipped split
+    (pa_decode._partition_span without a window)."""
+    ctx = gl.load(p_cl + i_s * stride_cl)
+    ctx = gl.minimum(gl.maximum(ctx, 0), CTX_CAP)
+    p_s = gl.minimum(gl.maximum(gl.cdiv(ctx, long_pt), few_target), gl.cdiv(ctx, min_pt))
+    p_s = gl.maximum(gl.minimum(p_s, P), 1)
+    pt = gl.maximum(gl.cdiv(gl.cdiv(ctx, p_s), ALIGN) * ALIGN, ALIGN)
+    n_live = gl.cdiv(ctx, pt)
+    start = i_p * pt
+    end = gl.maximum(gl.minimum(gl.minimum(start + pt, ctx), max_tokens), start)
+    return ctx, start, end, n_live
+
+
+@gluon.jit
+def _producer(p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_h, start, end, num_blocks,
+              stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_bt_s,
+              D: gl.constexpr, BS: gl.constexpr, BT: gl.constexpr, NBUF: gl.constexpr):
+    KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0])  # K [BT, D]: 16 bytes along D per access
+    VL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0])  # V^T [D, BT]: 16 tokens per access
+    n_tiles = gl.cdiv(end - start, BT)
+    o_tk = gl.arange(0, BT, gl.SliceLayout(1, KL))
+    o_dk = gl.arange(0, D, gl.SliceLayout(0, KL))
+    o_tv = gl.arange(0, BT, gl.SliceLayout(0, VL))
+    o_dv = gl.arange(0, D, gl.SliceLayout(1, VL))
+    k_in = gl.max_contiguous(gl.multiple_of((o_dk // 16) * stride_kc_c + (o_dk % 16), 16), 16)
+    v_in = o_dv * stride_vc_2
+    kbase = p_kc + i_h * stride_kc_h
+    vbase = p_vc + i_h * stride_vc_h
+    p_row = p_bt + seq * stride_bt_s
+    for j in range(n_tiles):
+        s = j % NBUF
+        # the slot's previous tile (j - NBUF) released by the consumer (passes at once for the first NBUF)
+        mbarrier.wait(empty.index(s), ((j // NBUF) & 1) ^ 1)
+        t0 = start + j * BT
+        tok_k = t0 + o_tk
+        live_k = tok_k < end
+        bk = gl.load(p_row + tok_k // BS, mask=live_k, other=0)
+        bk = gl.where((bk >= 0) & (bk < num_blocks), bk, 0).to(gl.int64)
+        k_row = gl.multiple_of(bk * stride_kc_b + (tok_k % BS) * stride_kc_t, 16)
+        async_copy.async_copy_global_to_shared(k_ring.index(s), kbase + k_row[:, None] + k_in[None, :],
+                                               mask=live_k[:, None])
+        tok_v = t0 + o_tv
+        # per page (the mask must be constant along each 16-token copy): a live page's slots past the
+        # context are copied too; the consumer clears their NaN bytes in the masked tiles
+        live_v = (t0 + (o_tv // BS) * BS) < end
+        bv = gl.load(p_row + tok_v // BS, mask=live_v, other=0)
+        bv = gl.where((bv >= 0) & (bv < num_blocks), bv, 0).to(gl.int64)
+        v_col = gl.max_contiguous(gl.multiple_of(bv * stride_vc_b + tok_v % BS, 16), 16)
+        async_copy.async_copy_global_to_shared(v_ring.index(s), vbase + v_in[:, None] + v_col[None, :],
+                                               mask=live_v[None, :])
+        async_copy.commit_group()
+        if j >= NBUF - 1:  # tile j - NBUF + 1 has landed: hand it over
+            async_copy.wait_group(NBUF - 1)
+            fence_async_shared()  # the wgmma reads K through the async proxy
+            mbarrier.arrive(ready.index((j - (NBUF - 1)) % NBUF))
+    async_copy.wait_group(0)
+    fence_async_shared()
+    for j in range(gl.maximum(n_tiles - (NBUF - 1), 0), n_tiles):
+        mbarrier.arrive(ready.index(j % NBUF))
+
+
+@gluon.jit
+def _consumer(p_q, q_hi, q_lo, v16, k_ring, v_ring, ready, empty, seq, i_h, ctx, start, end, row_scale0,
+              stride_q_t, stride_q_h, G: gl.constexpr, QL: gl.constexpr, BM: gl.constexpr, D: gl.constexpr,
+              BT: gl.constexpr, NBUF: gl.constexpr):
+    S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 32])
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    QLY: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    VR: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # V^T [D, BT] from its slot
+    # the query, scaled per row by a power of two into [128, 256), as hi + lo / 16 (exact for BF16)
+    o_m = gl.arange(0, BM, gl.SliceLayout(1, QLY))
+    o_d = gl.arange(0, D, gl.SliceLayout(0, QLY))
+    qrow = (seq * QL + o_m // G).to(gl.int64)
+    qf = gl.load(p_q + qrow[:, None] * stride_q_t + (i_h * G + o_m % G)[:, None] * stride_q_h
+                 + o_d[None, :]).to(gl.float32)
+    q_e = gl.max(gl.abs(qf), 1).to(gl.int32, bitcast=True) & 0x7F800000
+    q_pow = gl.where(q_e > 0, q_e.to(gl.float32, bitcast=True), 1.0)
+    x = qf * (128.0 / q_pow)[:, None]
+    hi = (x.to(gl.int32, bitcast=True) & -1048576).to(gl.float32, bitcast=True)
+    lo = (((x - hi) * 16.0).to(gl.int32, bitcast=True) & -1048576).to(gl.float32, bitcast=True)
+    q_hi.store(hi.to(gl.float8e4nv))
+    q_lo.store(lo.to(gl.float8e4nv))
+    fence_async_shared()
+    gl.thread_barrier()
+    row_scale = gl.convert_layout(row_scale0 * q_pow * 0.0078125, gl.SliceLayout(1, S_L))
+
+    rows = gl.arange(0, BM, gl.SliceLayout(1, S_L)) // G
+    last = ctx - QL + rows  # row sees tokens <= last
+    cols = gl.arange(0, BT, gl.SliceLayout(0, S_L))
+    full_hi = gl.minimum(ctx - QL + 1, end)  # tiles ending at or below it are seen whole by every row
+    m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, S_L))
+    acc = gl.zeros([BM, D], gl.float32, O_L)
+    zero_s = gl.zeros([BM, BT], gl.float32, S_L)
+    n_tiles = gl.cdiv(end - start, BT)
+    for j in range(n_tiles):
+        s = j % NBUF
+        mbarrier.wait(ready.index(s), (j // NBUF) & 1)
+        k_t = k_ring.index(s).permute((1, 0))  # [D, BT], D contiguous per token: the FP8 wgmma's K-major B
+        s_hi = warpgroup_mma(q_hi, k_t, zero_s, use_acc=False, is_async=True)
+        s_lo = warpgroup_mma(q_lo, k_t, zero_s, use_acc=False, is_async=True)
+        t0 = start + j * BT
+        masked = t0 + BT > full_hi  # the causal diagonal and the partition's end
+        vt = v_ring.index(s).load(VR).to(gl.float16)
+        if masked:  # NaN bytes of a live page's unused slots: maxNum returns the other operand
+            vt = gl.maximum(vt, gl.full([D, BT], -448.0, gl.float16, VR))
+        s_hi, s_lo = warpgroup_mma_wait(num_outstanding=0, deps=(s_hi, s_lo))
+        mbarrier.arrive(empty.index(s))  # K and V are out of the slot
+        v16.store(vt)
+        scores = (s_hi + s_lo * 0.0625) * row_scale[:, None]
+        if masked:
+            tok = t0 + cols
+            ok = (tok[None, :] <= last[:, None]) & (tok[None, :] < end)
+            scores = gl.where(ok, scores, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(scores, 1))
+        m_base = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet
+        p = gl.exp2(scores - m_base[:, None])
+        alpha = gl.exp2(m_i - m_base)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        p16 = gl.convert_layout(p.to(gl.float16), P_L)
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's part of V is in v16
+        acc = warpgroup_mma(p16, v16.permute((1, 0)), acc)
+    return m_i, l_i, acc
+
+
+@gluon.jit(do_not_specialize=("P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt"))
+def gluon_partition_kernel(
+    p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_ws_m, p_ws_l, p_ws_acc,
+    P, softmax_scale, max_tokens, num_blocks, few_target, min_pt, long_pt,
+    stride_q_t, stride_q_h,
+    stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
+    stride_vc_b, stride_vc_h, stride_vc_2,
+    stride_bt_s, stride_cl,
+    HKV: gl.constexpr, G: gl.constexpr, QL: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
+    BT: gl.constexpr, ALIGN: gl.constexpr, NBUF: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+):
+    i_s = gl.program_id(0).to(gl.int64)
+    i_h = gl.program_id(1)
+    i_p = gl.program_id(2)
+    ctx, start, end, n_live = _span(p_cl, stride_cl, i_s, i_p, P, few_target, min_pt, long_pt, max_tokens, ALIGN)
+    K_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+    V_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
+    V16_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+    k_ring = gl.allocate_shared_memory(gl.float8e4nv, [NBUF, BT, D], K_SL)
+    v_ring = gl.allocate_shared_memory(gl.float8e4nv, [NBUF, D, BT], V_SL)
+    v16 = gl.allocate_shared_memory(gl.float16, [D, BT], V16_SL)
+    q_hi = gl.allocate_shared_memory(gl.float8e4nv, [BM, D], K_SL)
+    q_lo = gl.allocate_shared_memory(gl.float8e4nv, [BM, D], K_SL)
+    ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NBUF):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    row_scale0 = softmax_scale * 1.4426950408889634 * gl.load(p_ks)  # log2 units, K's per-tensor scale
+    i_hkv = i_h.to(gl.int64)
+    m_i, l_i, acc = gl.warp_specialize(
+        [(_consumer, (p_q, q_hi, q_lo, v16, k_ring, v_ring, ready, empty, i_s, i_h, ctx, start, end, row_scale0,
+                      stride_q_t, stride_q_h, G, QL, BM, D, BT, NBUF)),
+         (_producer, (p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, i_s, i_hkv, start, end, num_blocks,
+                      stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2,
+                      stride_bt_s, D, BS, BT, NBUF))],
+        [1], [PRODUCER_REGS])
+    if i_p < n_live:
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+        o_m = gl.arange(0, BM, gl.SliceLayout(1, O_L))
+        o_d = gl.arange(0, D, gl.SliceLayout(0, O_L))
+        ws = ((i_s * HKV + i_h) * P + i_p) * BM
+        gl.store(p_ws_m + ws + o_m, gl.convert_layout(m_i * 0.6931471805599453, gl.SliceLayout(1, O_L)))
+        gl.store(p_ws_l + ws + o_m, gl.convert_layout(l_i, gl.SliceLayout(1, O_L)))
+        gl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], acc * gl.load(p_vs))
+
+
+def launch(p, L, nbuf: int = 4, producer_regs: int = 96):
+    """The Gluon partition kernel of checked problem ``p`` with the shipped launch state ``L``
+    (pa_backend.triton.launch_state), then the shipped reduce."""
+    from pa_backend.triton import _reduce
+    c = p.cache
+    kc, vc = c.key_cache, c.value_cache
+    if not (L.BM == 64 and L.D == 128 and c.block_size == 16 and not c.v_transposed and not c.k_per_token
+            and not c.v_per_token and p.sliding_window == 0 and p.is_decode and not L.direct and not L.queue_mode):
+        raise ValueError("the Gluon probe covers M 64, D 128, 16-token pages, 4-D V, per-tensor scales, no window")
+    sp = L.split
+    ws_m, ws_l, ws_acc = L.ws
+    gluon_partition_kernel[(L.items, c.Hkv, sp.P)](
+        p.query, kc, vc, c.key_scale, c.value_scale, p.block_tables, p.context_lengths, ws_m, ws_l, ws_acc,
+        sp.P, p.softmax_scale, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens, sp.long_tokens,
+        p.query.stride(0), p.query.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
+        vc.stride(0), vc.stride(1), vc.stride(2),
+        p.block_tables.stride(0), p.context_lengths.stride(0),
+        HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=64, ALIGN=L.align, NBUF=nbuf,
+        PRODUCER_REGS=producer_regs, num_warps=4, **_maxnreg())
+    _reduce(L, None, p.sinks if p.sinks is not None else ws_m, p)
+    return p.out
+
+
+def _maxnreg():
+    # the launch's register cap: Triton pads the warp-specialized program to 8 warps, and without a cap
+    # it takes 256 registers per thread (one CTA per SM); 128 gives two, the consumer warpgroup then gets
+    # ~184 inside the specialized region (setmaxnreg), the producer warp PRODUCER_REGS
+    raw = os.environ.get("GL_MAXNREG", "128")
+    return {"maxnreg": int(raw)} if raw and raw != "0" else {}
+
+
+def compile_sm90(nbuf: int = 4, producer_regs: int = 96):
+    """Compile for sm_90 without a GPU; returns (compiled, ptxas -v output)."""
+    import subprocess
+    import tempfile
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    fn = gluon_partition_kernel
+    import inspect
+    names = list(inspect.signature(fn.fn).parameters)
+    ce = dict(HKV=1, G=16, QL=4, BM=64, D=128, BS=16, BT=64, ALIGN=64, NBUF=nbuf, PRODUCER_REGS=producer_regs)
+    sig, attrs = {}, {}
+    for i, n in enumerate(names):
+        if n in ce:
+            sig[n] = "constexpr"
+            continue
+        t = {"p_kc": "*fp8e4nv", "p_vc": "*fp8e4nv", "p_bt": "*i32", "p_cl": "*i32", "p_q": "*bf16"}.get(n)
+        t = t or ("*fp32" if n.startswith("p_") else "fp32" if n == "softmax_scale" else "i32")
+        sig[n] = t
+        if n.startswith(("p_", "stride_")) and n not in ("stride_kc_t",):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs)
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **_maxnreg()})
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        open(os.path.join(d, "k.ptx"), "w").write(c.asm["ptx"])
+        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", os.path.join(d, "k.ptx"), "-o",
+                            os.path.join(d, "k.cubin")], capture_output=True, text=True)
+    return c, (r.stderr + r.stdout).strip()
+
+
+def _gpu_probe(seconds: float):
+    import time
+    import torch
+    from pa_backend import pa_decode
+    from pa_backend.benchmark import accuracy, bench_case
+    from pa_backend.contract import prepare_attention
+    from pa_backend.triton import launch_state
+    from backend_core.timing import copy_bandwidth_gbps, time_cuda_graph
+    t_end = time.time() + seconds
+    dev = torch.device("cuda")
+    copy = copy_bandwidth_gbps(device=dev) * 1e9
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy / 1e12:.2f} TB/s", flush=True)
+    # the target (128k tables), then short and ragged ones for correctness (the partition's end, the diagonal)
+    for (B, ctx, ql) in [(200, 200_000, 4), (32, 8192, 4), (8, 3001, 4), (64, 777, 4), (5, 70, 4)]:
+        kw = bench_case(B, ctx, ql, 16, 1, 128, 16, "tensor", dev, table_tokens=131072)
+        big = B * ctx > 10**6
+        inner, trials = (4, 15) if big else (10, 30)
+        nbytes = B * ctx * 128 * 2  # K and V bytes read (Hkv 1, D 128)
+        ref_out = torch.full_like(kw["query"], float("nan"))
+        pa_decode(**kw, out=ref_out, backend="triton")
+        err_ship = accuracy(kw, ref_out)
+        t_s = time_cuda_graph(lambda i: pa_decode(**kw, out=ref_out, backend="triton"), inner=inner,
+                              trials=trials).median_us
+        print(f"B={B} ctx={ctx} ql={ql}: shipped {t_s:.1f} us ({nbytes / (t_s * 1e-6) / copy * 100:.1f}% of copy), "
+              f"rel err {err_ship:.2e}", flush=True)
+        for nbuf, regs in ((4, 72), (3, 72), (6, 72), (2, 72)):
+            if time.time() > t_end:
+                print("time budget spent", flush=True)
+                return
+            out = torch.full_like(kw["query"], float("nan"))
+            p = prepare_attention(**kw, out=out)
+            L = launch_state(p)
+            try:
+                launch(p, L, nbuf, regs)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001 (a probe: report and go on)
+                print(f"  NBUF={nbuf} regs={regs}: {type(e).__name__}: {str(e)[:600]}", flush=True)
+                continue
+            err = accuracy(kw, out)
+            diff = (out.float() - ref_out.float()).abs().max().item()
+            out.fill_(float("nan"))
+            t_g = time_cuda_graph(lambda i: launch(p, L, nbuf, regs), inner=inner, trials=trials,
+                                  after_capture=lambda: out.fill_(float("nan"))).median_us
+            err_replay = accuracy(kw, out)
+            print(f"  gluon NBUF={nbuf} producer regs={regs}: {t_g:.1f} us ({nbytes / (t_g * 1e-6) / copy * 100:.1f}%"
+                  f" of copy, {t_s / t_g:.2f}x), rel err {err:.2e} (replayed {err_replay:.2e}), max |gluon - shipped| "
+                  f"{diff:.2e}", flush=True)
+
+
+if __name__ == "__main__":
+    if "--compile" in sys.argv:
+        for nbuf, regs in ((4, 72), (3, 72), (6, 72), (2, 72)):
+            c, out = compile_sm90(nbuf, regs)
+            print(f"NBUF={nbuf} producer regs={regs}: shared {c.metadata.shared} B;",
+                  " | ".join(line for line in out.splitlines() if "registers" in line or "spill" in line))
+    else:
+        _gpu_probe(float(sys.argv[1]) if len(sys.argv) > 1 else 300)
