@@ -144,7 +144,7 @@ for step in $steps; do
     ncu-decode) cmd=(env NCU_CASE="${NCU_CASE:-200,200000,4}" NCU_TABLE_TOKENS="${NCU_TABLE_TOKENS:-131072}"
                      ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis
                      --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy
-                     --section LaunchStats --section InstructionStats -k regex:pa_decode_partition -s 1 -c 1
+                     --section LaunchStats --section InstructionStats -k regex:partition_kernel -s 1 -c 1
                      python3 benchmarks/pa_probe/ncu_one.py) ;;
     *) echo "unknown step $step"; rc=2; continue ;;
   esac
