@@ -3,7 +3,7 @@
 # bench-kda bench-pa bench-pa-nreg<N>
 # sweep-pa e2e-vllm
 # e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang spec-sglang kimi-sglang
-# probe-warps probe-grid probe-tail probe-short probe-short-vllm profile-vllm host-vllm host-sglang small-work ncu-decode gluon-decode
+# probe-warps probe-grid probe-tail probe-short probe-short-vllm profile-vllm host-vllm host-sglang small-work ncu-decode ncu-gluon gluon-decode
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
 # Optional wheels (fla-core for the composed KDA baseline) travel in .whl/ and go to /tmp/site.
@@ -141,7 +141,8 @@ for step in $steps; do
     gluon-decode) cmd=(env GL_MAXNREG="${GL_MAXNREG:-128}" python3 benchmarks/pa_probe/gluon_decode.py "${PROBE_SECONDS:-240}") ;;
     # ncu of one decode call's partition kernel (NCU_CASE="B,ctx,ql", default the ql 4 decode at 200k, 128k
     # tables): speed of light, pipe utilization, warp stalls, occupancy
-    ncu-decode) cmd=(env NCU_CASE="${NCU_CASE:-200,200000,4}" NCU_TABLE_TOKENS="${NCU_TABLE_TOKENS:-131072}"
+    # (ncu-gluon: the same for the Gluon probe kernel, gluon_decode.py)
+    ncu-decode|ncu-gluon) cmd=(env NCU_GLUON=$([ "$step" = ncu-gluon ] && echo 1 || echo 0) NCU_CASE="${NCU_CASE:-200,200000,4}" NCU_TABLE_TOKENS="${NCU_TABLE_TOKENS:-131072}"
                      ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis
                      --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy
                      --section LaunchStats --section InstructionStats -k regex:partition_kernel -s 1 -c 1
