@@ -27,7 +27,7 @@ Run on a GPU: ``python3 benchmarks/pa_probe/gluon_decode.py [seconds]`` (accurac
 shipped kernel, then CUDA-graph timings of both, several NBUF). On CPU: ``--compile`` compiles it for sm_90
 and prints ptxas' registers / spills (no interpreter runs Gluon).
 """
-import math
+import faulthandler
 import os
 import sys
 
@@ -316,9 +316,11 @@ def _gpu_probe(seconds: float):
             out = torch.full_like(kw["query"], float("nan"))
             p = prepare_attention(**kw, out=out)
             L = launch_state(p)
+            faulthandler.dump_traceback_later(90, exit=True)  # a hang (a barrier never completes) ends the probe
             try:
                 launch(p, L, nbuf, regs)
                 torch.cuda.synchronize()
+                faulthandler.cancel_dump_traceback_later()
             except Exception as e:  # noqa: BLE001 (a probe: report and go on)
                 print(f"  NBUF={nbuf} regs={regs}: {type(e).__name__}: {str(e)[:600]}", flush=True)
                 continue
