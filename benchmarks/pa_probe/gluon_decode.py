@@ -322,6 +322,7 @@ def _gpu_probe(seconds: float):
                 torch.cuda.synchronize()
                 faulthandler.cancel_dump_traceback_later()
             except Exception as e:  # noqa: BLE001 (a probe: report and go on)
+                faulthandler.cancel_dump_traceback_later()
                 print(f"  NBUF={nbuf} regs={regs}: {type(e).__name__}: {str(e)[:600]}", flush=True)
                 continue
             err = accuracy(kw, out)
