@@ -76,6 +76,12 @@ def _producer(p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_h, start, e
     p_row = p_bt + seq * stride_bt_s
     for j in range(n_tiles):
         s = j % NBUF
+        # first hand over tile j - NBUF + 1 (the oldest of the NBUF - 1 in flight), so the consumer never
+        # waits for this tile's table loads and address math
+        if j >= NBUF - 1:
+            async_copy.wait_group(NBUF - 2)
+            fence_async_shared()  # the wgmma reads K through the async proxy
+            mbarrier.arrive(ready.index((j - (NBUF - 1)) % NBUF))
         # the slot's previous tile (j - NBUF) released by the consumer (passes at once for the first NBUF)
         mbarrier.wait(empty.index(s), ((j // NBUF) & 1) ^ 1)
         t0 = start + j * BT
@@ -96,10 +102,6 @@ def _producer(p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_h, start, e
         async_copy.async_copy_global_to_shared(v_ring.index(s), vbase + v_in[:, None] + v_col[None, :],
                                                mask=live_v[None, :])
         async_copy.commit_group()
-        if j >= NBUF - 1:  # tile j - NBUF + 1 has landed: hand it over
-            async_copy.wait_group(NBUF - 1)
-            fence_async_shared()  # the wgmma reads K through the async proxy
-            mbarrier.arrive(ready.index((j - (NBUF - 1)) % NBUF))
     async_copy.wait_group(0)
     fence_async_shared()
     for j in range(gl.maximum(n_tiles - (NBUF - 1), 0), n_tiles):
@@ -120,7 +122,7 @@ def _consumer(p_q, q_hi, q_lo, v16, k_ring, v_ring, ready, empty, seq, i_h, ctx,
     o_d = gl.arange(0, D, gl.SliceLayout(0, QLY))
     qrow = (seq * QL + o_m // G).to(gl.int64)
     qf = gl.load(p_q + qrow[:, None] * stride_q_t + (i_h * G + o_m % G)[:, None] * stride_q_h
-                 + o_d[None, :]).to(gl.float32)
+                 + o_d[None, :], mask=(o_m < G * QL)[:, None], other=0.0).to(gl.float32)  # padding rows: 0
     q_e = gl.max(gl.abs(qf), 1).to(gl.int32, bitcast=True) & 0x7F800000
     q_pow = gl.where(q_e > 0, q_e.to(gl.float32, bitcast=True), 1.0)
     x = qf * (128.0 / q_pow)[:, None]
@@ -227,6 +229,9 @@ def launch(p, L, nbuf: int = 4, producer_regs: int = 96):
     from pa_backend.triton import _reduce
     c = p.cache
     kc, vc = c.key_cache, c.value_cache
+    from pa_backend.triton import _aligned16
+    if not (L.qk8 and _aligned16(kc, vc)):  # e4m3fn caches, 16-byte strides: what the copies' hints declare
+        raise ValueError("the Gluon probe needs the QK8 path's caches (e4m3fn, 16-byte aligned strides)")
     if not (L.BM == 64 and L.D == 128 and c.block_size == 16 and not c.v_transposed and not c.k_per_token
             and not c.v_per_token and p.sliding_window == 0 and p.is_decode and not L.direct and not L.queue_mode):
         raise ValueError("the Gluon probe covers M 64, D 128, 16-token pages, 4-D V, per-tensor scales, no window")
