@@ -141,8 +141,8 @@ for step in $steps; do
     # its CPU and GPU tests and the bench's decode rows with the switch on (the ql 4 row takes it)
     gluon-ws) cmd=(bash -c "git apply benchmarks/pa_probe/gluon_ws.patch && echo applied &&
                    python3 -m pytest -q pa_backend/tests/test_gluon.py -p no:cacheprovider -rfs;
-                   a=\$?; FLYDSL_BACKENDS_PA_GLUON=1 python3 -m flydsl_backends bench pa --no-baseline
-                   --out $out/pa_bench_gluon.csv; exit \$((a | \$?))") ;;
+                   a=\$?; FLYDSL_BACKENDS_PA_GLUON=1 python3 -m flydsl_backends bench pa --no-baseline --out $out/pa_bench_gluon.csv;
+                   exit \$((a | \$?))") ;;
     # the warp-specialized Gluon partition kernel for the ql 4 decode against the shipped one (accuracy, graph
     # timings; benchmarks/pa_probe/gluon_decode.py; GL_MAXNREG: the launch's register cap, 128 = 2 CTAs per SM)
     gluon-decode) cmd=(env GL_MAXNREG="${GL_MAXNREG:-128}" python3 benchmarks/pa_probe/gluon_decode.py "${PROBE_SECONDS:-240}") ;;
