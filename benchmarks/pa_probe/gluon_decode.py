@@ -223,7 +223,7 @@ def gluon_partition_kernel(
         gl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], acc * gl.load(p_vs))
 
 
-def launch(p, L, nbuf: int = 4, producer_regs: int = 96):
+def launch(p, L, nbuf: int = 4, producer_regs: int = 72):
     """The Gluon partition kernel of checked problem ``p`` with the shipped launch state ``L``
     (pa_backend.triton.launch_state), then the shipped reduce."""
     from pa_backend.triton import _reduce
@@ -258,7 +258,7 @@ def _maxnreg():
     return {"maxnreg": int(raw)} if raw and raw != "0" else {}
 
 
-def compile_sm90(nbuf: int = 4, producer_regs: int = 96):
+def compile_sm90(nbuf: int = 4, producer_regs: int = 72):
     """Compile for sm_90 without a GPU; returns (compiled, ptxas -v output)."""
     import subprocess
     import tempfile
