@@ -22,6 +22,8 @@ __all__ = ["ptxas_report", "amdgcn_report", "run_report_script"]
 def _source(kernel, types: Mapping[str, str], constexprs: Mapping[str, object], divisible: Iterable[str]):
     from triton.compiler import ASTSource
 
+    if getattr(kernel, "is_gluon", lambda: False)():  # a gluon.jit kernel (its own front end)
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     names = list(inspect.signature(kernel.fn).parameters)
     divisible = set(divisible)
     signature, attrs = {}, {}
@@ -62,7 +64,7 @@ def amdgcn_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, obj
 def ptxas_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, object],
                  divisible: Iterable[str] = (), num_warps: int = 4, capability: int = 90,
                  num_stages: int = 3, maxnreg: Optional[int] = None) -> Dict[str, int]:
-    """Compile ``kernel`` (a ``triton.jit`` function) and return its ptxas resource numbers.
+    """Compile ``kernel`` (a ``triton.jit`` or ``gluon.jit`` function) and return its ptxas resource numbers.
 
     ``types``: Triton type strings ("*fp32", "i32", ...) of the runtime arguments; every other
     parameter must be in ``constexprs``. ``divisible``: arguments to mark 16-divisible.

@@ -31,7 +31,6 @@ import faulthandler
 import os
 import sys
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -259,33 +258,17 @@ def _maxnreg():
 
 
 def compile_sm90(nbuf: int = 4, producer_regs: int = 72):
-    """Compile for sm_90 without a GPU; returns (compiled, ptxas -v output)."""
-    import subprocess
-    import tempfile
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-    fn = gluon_partition_kernel
-    import inspect
-    names = list(inspect.signature(fn.fn).parameters)
+    """ptxas' resource numbers for sm_90 (backend_core.aot.ptxas_report; no GPU needed)."""
+    from backend_core.aot import ptxas_report
+    types = {n: "*fp32" for n in ("p_ks", "p_vs", "p_ws_m", "p_ws_l", "p_ws_acc")}
+    types.update(p_q="*bf16", p_kc="*fp8e4nv", p_vc="*fp8e4nv", p_bt="*i32", p_cl="*i32", softmax_scale="fp32")
+    types.update({n: "i32" for n in ("P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt",
+                                     "stride_q_t", "stride_q_h", "stride_kc_b", "stride_kc_h", "stride_kc_c",
+                                     "stride_kc_t", "stride_vc_b", "stride_vc_h", "stride_vc_2", "stride_bt_s",
+                                     "stride_cl")})
     ce = dict(HKV=1, G=16, QL=4, BM=64, D=128, BS=16, BT=64, ALIGN=64, NBUF=nbuf, PRODUCER_REGS=producer_regs)
-    sig, attrs = {}, {}
-    for i, n in enumerate(names):
-        if n in ce:
-            sig[n] = "constexpr"
-            continue
-        t = {"p_kc": "*fp8e4nv", "p_vc": "*fp8e4nv", "p_bt": "*i32", "p_cl": "*i32", "p_q": "*bf16"}.get(n)
-        t = t or ("*fp32" if n.startswith("p_") else "fp32" if n == "softmax_scale" else "i32")
-        sig[n] = t
-        if n.startswith(("p_", "stride_")) and n not in ("stride_kc_t",):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = GluonASTSource(fn=fn, signature=sig, constexprs=ce, attrs=attrs)
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **_maxnreg()})
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    with tempfile.TemporaryDirectory() as d:
-        open(os.path.join(d, "k.ptx"), "w").write(c.asm["ptx"])
-        r = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", os.path.join(d, "k.ptx"), "-o",
-                            os.path.join(d, "k.cubin")], capture_output=True, text=True)
-    return c, (r.stderr + r.stdout).strip()
+    return ptxas_report(gluon_partition_kernel, types, ce, [n for n in types if n.startswith(("p_", "stride_"))],
+                        num_warps=4, maxnreg=_maxnreg().get("maxnreg"))
 
 
 def _gpu_probe(seconds: float):
@@ -344,8 +327,6 @@ def _gpu_probe(seconds: float):
 if __name__ == "__main__":
     if "--compile" in sys.argv:
         for nbuf, regs in ((4, 72), (3, 72), (6, 72), (2, 72)):
-            c, out = compile_sm90(nbuf, regs)
-            print(f"NBUF={nbuf} producer regs={regs}: shared {c.metadata.shared} B;",
-                  " | ".join(line for line in out.splitlines() if "registers" in line or "spill" in line))
+            print(f"NBUF={nbuf} producer regs={regs}:", compile_sm90(nbuf, regs))
     else:
         _gpu_probe(float(sys.argv[1]) if len(sys.argv) > 1 else 300)
