@@ -225,10 +225,9 @@ def gluon_partition_kernel(
 def launch(p, L, nbuf: int = 4, producer_regs: int = 72):
     """The Gluon partition kernel of checked problem ``p`` with the shipped launch state ``L``
     (pa_backend.triton.launch_state), then the shipped reduce."""
-    from pa_backend.triton import _reduce
+    from pa_backend.triton import _aligned16, _reduce
     c = p.cache
     kc, vc = c.key_cache, c.value_cache
-    from pa_backend.triton import _aligned16
     if not (L.qk8 and _aligned16(kc, vc)):  # e4m3fn caches, 16-byte strides: what the copies' hints declare
         raise ValueError("the Gluon probe needs the QK8 path's caches (e4m3fn, 16-byte aligned strides)")
     if not (L.BM == 64 and L.D == 128 and c.block_size == 16 and not c.v_transposed and not c.k_per_token
