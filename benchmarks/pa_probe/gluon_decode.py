@@ -43,18 +43,34 @@ CTX_CAP = gl.constexpr(1 << 30)
 
 
 @gluon.jit
-def _span(p_cl, stride_cl, i_s, i_p, P, few_target, min_pt, long_pt, max_tokens, ALIGN: gl.constexpr):
-    """(context, start, end, live partitions) of partition i_p of decode item i_s: the shipped split
+def _rows(p_cl, stride_cl, p_chunks, i_s, QL: gl.constexpr, RAGGED: gl.constexpr):
+    """(table row, first query row, rows, visible context) of work item i_s: the shipped pa_decode._rows_of
+    (decode: a sequence of QL rows; prefill: a chunk p_chunks[i_s] = (sequence, first row, rows, rows after))."""
+    if RAGGED:
+        seq = gl.load(p_chunks + i_s * 4).to(gl.int64)
+        q0 = gl.load(p_chunks + i_s * 4 + 1).to(gl.int64)
+        nrows = gl.load(p_chunks + i_s * 4 + 2)
+        ctx = gl.minimum(gl.maximum(gl.load(p_cl + seq * stride_cl), 0), CTX_CAP) - gl.load(p_chunks + i_s * 4 + 3)
+        ctx = gl.maximum(ctx, 0)
+    else:
+        seq = i_s
+        q0 = i_s * QL
+        nrows = QL
+        ctx = gl.minimum(gl.maximum(gl.load(p_cl + i_s * stride_cl), 0), CTX_CAP)
+    return seq, q0, nrows, ctx
+
+
+@gluon.jit
+def _span(ctx, i_p, P, few_target, min_pt, long_pt, max_tokens, ALIGN: gl.constexpr):
+    """(start, end, live partitions) of partition i_p of an item that sees ``ctx`` tokens: the shipped split
     (pa_decode._partition_span without a window)."""
-    ctx = gl.load(p_cl + i_s * stride_cl)
-    ctx = gl.minimum(gl.maximum(ctx, 0), CTX_CAP)
     p_s = gl.minimum(gl.maximum(gl.cdiv(ctx, long_pt), few_target), gl.cdiv(ctx, min_pt))
     p_s = gl.maximum(gl.minimum(p_s, P), 1)
     pt = gl.maximum(gl.cdiv(gl.cdiv(ctx, p_s), ALIGN) * ALIGN, ALIGN)
     n_live = gl.cdiv(ctx, pt)
     start = i_p * pt
     end = gl.maximum(gl.minimum(gl.minimum(start + pt, ctx), max_tokens), start)
-    return ctx, start, end, n_live
+    return start, end, n_live
 
 
 @gluon.jit
@@ -108,20 +124,29 @@ def _producer(p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_h, start, e
 
 
 @gluon.jit
-def _consumer(p_q, q_hi, q_lo, v16, k_ring, v_ring, ready, empty, seq, i_h, ctx, start, end, row_scale0,
-              stride_q_t, stride_q_h, G: gl.constexpr, QL: gl.constexpr, BM: gl.constexpr, D: gl.constexpr,
-              BT: gl.constexpr, NBUF: gl.constexpr):
+def _consumer(p_q, p_out, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
+              i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
+              stride_q_t, stride_q_h, stride_o_t, stride_o_h,
+              CI: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, QL: gl.constexpr, BM: gl.constexpr,
+              D: gl.constexpr, BT: gl.constexpr, NBUF: gl.constexpr, DIRECT: gl.constexpr):
+    """Consumer warpgroup CI: rows CI * 64 .. CI * 64 + 63 of the item's BM, over every tile of the partition;
+    then its partial into the workspace (DIRECT: its output rows)."""
+    MW: gl.constexpr = 64  # rows per consumer warpgroup (wgmma M 64 per warpgroup)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 32])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
     P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     QLY: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     VR: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # V^T [D, BT] from its slot
+    q_hi = q_his.index(CI)
+    q_lo = q_los.index(CI)
+    v16 = v16s.index(CI)
     # the query, scaled per row by a power of two into [128, 256), as hi + lo / 16 (exact for BF16)
-    o_m = gl.arange(0, BM, gl.SliceLayout(1, QLY))
+    o_m = CI * MW + gl.arange(0, MW, gl.SliceLayout(1, QLY))
     o_d = gl.arange(0, D, gl.SliceLayout(0, QLY))
-    qrow = (seq * QL + o_m // G).to(gl.int64)
+    qrow = q0 + (o_m // G).to(gl.int64)
+    q_ok = (o_m < G * QL) & (o_m // G < nrows)  # padding rows (and a short chunk's missing ones): 0
     qf = gl.load(p_q + qrow[:, None] * stride_q_t + (i_h * G + o_m % G)[:, None] * stride_q_h
-                 + o_d[None, :], mask=(o_m < G * QL)[:, None], other=0.0).to(gl.float32)  # padding rows: 0
+                 + o_d[None, :], mask=q_ok[:, None], other=0.0).to(gl.float32)
     q_e = gl.max(gl.abs(qf), 1).to(gl.int32, bitcast=True) & 0x7F800000
     q_pow = gl.where(q_e > 0, q_e.to(gl.float32, bitcast=True), 1.0)
     x = qf * (128.0 / q_pow)[:, None]
@@ -133,14 +158,14 @@ def _consumer(p_q, q_hi, q_lo, v16, k_ring, v_ring, ready, empty, seq, i_h, ctx,
     gl.thread_barrier()
     row_scale = gl.convert_layout(row_scale0 * q_pow * 0.0078125, gl.SliceLayout(1, S_L))
 
-    rows = gl.arange(0, BM, gl.SliceLayout(1, S_L)) // G
-    last = ctx - QL + rows  # row sees tokens <= last
+    rows = (CI * MW + gl.arange(0, MW, gl.SliceLayout(1, S_L))) // G
+    last = ctx - nrows + rows  # row sees tokens <= last
     cols = gl.arange(0, BT, gl.SliceLayout(0, S_L))
-    full_hi = gl.minimum(ctx - QL + 1, end)  # tiles ending at or below it are seen whole by every row
-    m_i = gl.full([BM], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
-    l_i = gl.zeros([BM], gl.float32, gl.SliceLayout(1, S_L))
-    acc = gl.zeros([BM, D], gl.float32, O_L)
-    zero_s = gl.zeros([BM, BT], gl.float32, S_L)
+    full_hi = gl.minimum(ctx - nrows + 1, end)  # tiles ending at or below it are seen whole by every row
+    m_i = gl.full([MW], float("-inf"), gl.float32, gl.SliceLayout(1, S_L))
+    l_i = gl.zeros([MW], gl.float32, gl.SliceLayout(1, S_L))
+    acc = gl.zeros([MW, D], gl.float32, O_L)
+    zero_s = gl.zeros([MW, BT], gl.float32, S_L)
     n_tiles = gl.cdiv(end - start, BT)
     for j in range(n_tiles):
         s = j % NBUF
@@ -154,7 +179,7 @@ def _consumer(p_q, q_hi, q_lo, v16, k_ring, v_ring, ready, empty, seq, i_h, ctx,
         if masked:  # NaN bytes of a live page's unused slots: maxNum returns the other operand
             vt = gl.maximum(vt, gl.full([D, BT], -448.0, gl.float16, VR))
         s_hi, s_lo = warpgroup_mma_wait(num_outstanding=0, deps=(s_hi, s_lo))
-        mbarrier.arrive(empty.index(s))  # K and V are out of the slot
+        mbarrier.arrive(empty.index(s))  # K and V are out of the slot (for this consumer)
         v16.store(vt)
         scores = (s_hi + s_lo * 0.0625) * row_scale[:, None]
         if masked:
@@ -172,140 +197,215 @@ def _consumer(p_q, q_hi, q_lo, v16, k_ring, v_ring, ready, empty, seq, i_h, ctx,
         fence_async_shared()
         gl.thread_barrier()  # every warp's part of V is in v16
         acc = warpgroup_mma(p16, v16.permute((1, 0)), acc)
-    return m_i, l_i, acc
+
+    o_r = CI * MW + gl.arange(0, MW, gl.SliceLayout(1, O_L))
+    o_c = gl.arange(0, D, gl.SliceLayout(0, O_L))
+    acc = acc * gl.load(p_vs)
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+    if DIRECT:  # one partition: the output rows (a row that attended nothing: zeros)
+        o = gl.where((l_o > 0)[:, None], acc / gl.where(l_o > 0, l_o, 1.0)[:, None], 0.0)
+        row_ok = (o_r < G * QL) & (o_r // G < nrows)
+        p_o = (p_out + (q0 + (o_r // G).to(gl.int64))[:, None] * stride_o_t
+               + (i_h * G + o_r % G)[:, None] * stride_o_h + o_c[None, :])
+        gl.store(p_o, o.to(p_out.dtype.element_ty), mask=row_ok[:, None])
+    elif i_p < n_live:
+        ws = ((i_s * HKV + i_h) * P + i_p) * BM
+        gl.store(p_ws_m + ws + o_r, gl.convert_layout(m_i * 0.6931471805599453, gl.SliceLayout(1, O_L)))
+        gl.store(p_ws_l + ws + o_r, l_o)
+        gl.store(p_ws_acc + (ws + o_r)[:, None] * D + o_c[None, :], acc)
 
 
 @gluon.jit(do_not_specialize=("P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt"))
 def gluon_partition_kernel(
-    p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_ws_m, p_ws_l, p_ws_acc,
+    p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_out,
     P, softmax_scale, max_tokens, num_blocks, few_target, min_pt, long_pt,
-    stride_q_t, stride_q_h,
+    stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2,
     stride_bt_s, stride_cl,
     HKV: gl.constexpr, G: gl.constexpr, QL: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
     BT: gl.constexpr, ALIGN: gl.constexpr, NBUF: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    RAGGED: gl.constexpr = False, DIRECT: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 200,
 ):
+    # BM 64: one consumer warpgroup (the default partition); BM 128 (prefill): a second one as a worker
+    # partition, on the other 64 rows of the item, reading the same K/V slots (each slot released by both)
+    NC: gl.constexpr = BM // 64
     i_s = gl.program_id(0).to(gl.int64)
     i_h = gl.program_id(1)
     i_p = gl.program_id(2)
-    ctx, start, end, n_live = _span(p_cl, stride_cl, i_s, i_p, P, few_target, min_pt, long_pt, max_tokens, ALIGN)
+    seq, q0, nrows, ctx = _rows(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
+    start, end, n_live = _span(ctx, i_p, P, few_target, min_pt, long_pt, max_tokens, ALIGN)
     K_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     V_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
     V16_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     k_ring = gl.allocate_shared_memory(gl.float8e4nv, [NBUF, BT, D], K_SL)
     v_ring = gl.allocate_shared_memory(gl.float8e4nv, [NBUF, D, BT], V_SL)
-    v16 = gl.allocate_shared_memory(gl.float16, [D, BT], V16_SL)
-    q_hi = gl.allocate_shared_memory(gl.float8e4nv, [BM, D], K_SL)
-    q_lo = gl.allocate_shared_memory(gl.float8e4nv, [BM, D], K_SL)
+    v16s = gl.allocate_shared_memory(gl.float16, [NC, D, BT], V16_SL)
+    q_his = gl.allocate_shared_memory(gl.float8e4nv, [NC, 64, D], K_SL)
+    q_los = gl.allocate_shared_memory(gl.float8e4nv, [NC, 64, D], K_SL)
     ready = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [NBUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(NBUF):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(ready.index(i), count=1)  # the producer's arrive (every consumer waits on it)
+        mbarrier.init(empty.index(i), count=NC)  # each consumer's release
     row_scale0 = softmax_scale * 1.4426950408889634 * gl.load(p_ks)  # log2 units, K's per-tensor scale
     i_hkv = i_h.to(gl.int64)
-    m_i, l_i, acc = gl.warp_specialize(
-        [(_consumer, (p_q, q_hi, q_lo, v16, k_ring, v_ring, ready, empty, i_s, i_h, ctx, start, end, row_scale0,
-                      stride_q_t, stride_q_h, G, QL, BM, D, BT, NBUF)),
-         (_producer, (p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, i_s, i_hkv, start, end, num_blocks,
-                      stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2,
-                      stride_bt_s, D, BS, BT, NBUF))],
-        [1], [PRODUCER_REGS])
-    if i_p < n_live:
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-        o_m = gl.arange(0, BM, gl.SliceLayout(1, O_L))
-        o_d = gl.arange(0, D, gl.SliceLayout(0, O_L))
-        ws = ((i_s * HKV + i_h) * P + i_p) * BM
-        gl.store(p_ws_m + ws + o_m, gl.convert_layout(m_i * 0.6931471805599453, gl.SliceLayout(1, O_L)))
-        gl.store(p_ws_l + ws + o_m, gl.convert_layout(l_i, gl.SliceLayout(1, O_L)))
-        gl.store(p_ws_acc + (ws + o_m)[:, None] * D + o_d[None, :], acc * gl.load(p_vs))
+    # (argument tuples written out in each call: a tuple built in the kernel and extended does not keep
+    # the constexprs the partitions' layouts need)
+    if NC == 1:
+        gl.warp_specialize(
+            [(_consumer, (p_q, p_out, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
+                          i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
+                          stride_q_t, stride_q_h, stride_o_t, stride_o_h, 0, HKV, G, QL, BM, D, BT, NBUF, DIRECT)),
+             (_producer, (p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_hkv, start, end, num_blocks,
+                          stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2,
+                          stride_bt_s, D, BS, BT, NBUF))],
+            [1], [PRODUCER_REGS])
+    else:
+        gl.warp_specialize(
+            [(_consumer, (p_q, p_out, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
+                          i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
+                          stride_q_t, stride_q_h, stride_o_t, stride_o_h, 0, HKV, G, QL, BM, D, BT, NBUF, DIRECT)),
+             (_producer, (p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_hkv, start, end, num_blocks,
+                          stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2,
+                          stride_bt_s, D, BS, BT, NBUF)),
+             (_consumer, (p_q, p_out, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
+                          i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
+                          stride_q_t, stride_q_h, stride_o_t, stride_o_h, 1, HKV, G, QL, BM, D, BT, NBUF, DIRECT))],
+                           [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
-def launch(p, L, nbuf: int = 4, producer_regs: int = 72):
+def launch(p, L, nbuf: int = 4, producer_regs: int = 72, consumer_regs: int = 200):
     """The Gluon partition kernel of checked problem ``p`` with the shipped launch state ``L``
-    (pa_backend.triton.launch_state), then the shipped reduce."""
+    (pa_backend.triton.launch_state), then the shipped reduce (none when L.direct: one partition per item,
+    the kernel writes the output rows)."""
     from pa_backend.triton import _aligned16, _reduce
     c = p.cache
     kc, vc = c.key_cache, c.value_cache
     if not (L.qk8 and _aligned16(kc, vc)):  # e4m3fn caches, 16-byte strides: what the copies' hints declare
         raise ValueError("the Gluon probe needs the QK8 path's caches (e4m3fn, 16-byte aligned strides)")
-    if not (L.BM == 64 and L.D == 128 and c.block_size == 16 and not c.v_transposed and not c.k_per_token
-            and not c.v_per_token and p.sliding_window == 0 and p.is_decode and not L.direct and not L.queue_mode):
-        raise ValueError("the Gluon probe covers M 64, D 128, 16-token pages, 4-D V, per-tensor scales, no window")
+    if not (L.BM in (64, 128) and L.D == 128 and c.block_size == 16 and not c.v_transposed and not c.k_per_token
+            and not c.v_per_token and p.sliding_window == 0 and p.sinks is None and not L.queue_mode):
+        raise ValueError("the Gluon probe covers M 64 / 128, D 128, 16-token pages, 4-D V, per-tensor scales, "
+                         "no window, no sinks, grid launches")
+    if L.zero_rows is not None:
+        p.out[:L.zero_rows[0]].zero_()
+        p.out[L.zero_rows[1]:].zero_()
     sp = L.split
     ws_m, ws_l, ws_acc = L.ws
+    chunks = L.chunks if L.chunks is not None else p.context_lengths
     gluon_partition_kernel[(L.items, c.Hkv, sp.P)](
-        p.query, kc, vc, c.key_scale, c.value_scale, p.block_tables, p.context_lengths, ws_m, ws_l, ws_acc,
-        sp.P, p.softmax_scale, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens, sp.long_tokens,
-        p.query.stride(0), p.query.stride(1),
+        p.query, kc, vc, c.key_scale, c.value_scale, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc,
+        p.out, sp.P, p.softmax_scale, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens, sp.long_tokens,
+        p.query.stride(0), p.query.stride(1), p.out.stride(0), p.out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2),
         p.block_tables.stride(0), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=64, ALIGN=L.align, NBUF=nbuf,
-        PRODUCER_REGS=producer_regs, num_warps=4, **_maxnreg())
-    _reduce(L, None, p.sinks if p.sinks is not None else ws_m, p)
+        PRODUCER_REGS=producer_regs, RAGGED=not p.is_decode, DIRECT=L.direct, CONSUMER_REGS=consumer_regs,
+        num_warps=4, **_maxnreg(L.BM))
+    if not L.direct:
+        _reduce(L, None, ws_m, p)
     return p.out
 
 
-def _maxnreg():
-    # the launch's register cap: Triton pads the warp-specialized program to 8 warps, and without a cap
-    # it takes 256 registers per thread (one CTA per SM); 128 gives two, the consumer warpgroup then gets
-    # ~184 inside the specialized region (setmaxnreg), the producer warp PRODUCER_REGS
-    raw = os.environ.get("GL_MAXNREG", "128")
+def _maxnreg(BM: int = 64):
+    # the launch's register cap. BM 64: Triton pads the warp-specialized program to 8 warps, and without a
+    # cap it takes 256 registers per thread (one CTA per SM); 128 gives two, the consumer warpgroup then
+    # gets ~184 inside the specialized region (setmaxnreg), the producer warp PRODUCER_REGS. BM 128 (two
+    # consumer warpgroups, 12 warps with the padding): one CTA per SM, 168 (GL_MAXNREG_PREFILL)
+    raw = os.environ.get("GL_MAXNREG" if BM == 64 else "GL_MAXNREG_PREFILL", "128" if BM == 64 else "168")
     return {"maxnreg": int(raw)} if raw and raw != "0" else {}
 
 
-def compile_sm90(nbuf: int = 4, producer_regs: int = 72):
-    """ptxas' resource numbers for sm_90 (backend_core.aot.ptxas_report; no GPU needed)."""
+def compile_sm90(nbuf: int = 4, producer_regs: int = 72, prefill: bool = False, consumer_regs: int = 200):
+    """ptxas' resource numbers for sm_90 (backend_core.aot.ptxas_report; no GPU needed): the ql 4 decode
+    (BM 64, GQA 16) or the prefill (BM 128 = 32 rows x GQA 4, ragged chunks, direct output)."""
     from backend_core.aot import ptxas_report
     types = {n: "*fp32" for n in ("p_ks", "p_vs", "p_ws_m", "p_ws_l", "p_ws_acc")}
-    types.update(p_q="*bf16", p_kc="*fp8e4nv", p_vc="*fp8e4nv", p_bt="*i32", p_cl="*i32", softmax_scale="fp32")
+    types.update(p_q="*bf16", p_out="*bf16", p_kc="*fp8e4nv", p_vc="*fp8e4nv", p_bt="*i32", p_cl="*i32",
+                 p_chunks="*i32", softmax_scale="fp32")
     types.update({n: "i32" for n in ("P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt",
-                                     "stride_q_t", "stride_q_h", "stride_kc_b", "stride_kc_h", "stride_kc_c",
-                                     "stride_kc_t", "stride_vc_b", "stride_vc_h", "stride_vc_2", "stride_bt_s",
-                                     "stride_cl")})
-    ce = dict(HKV=1, G=16, QL=4, BM=64, D=128, BS=16, BT=64, ALIGN=64, NBUF=nbuf, PRODUCER_REGS=producer_regs)
+                                     "stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stride_kc_b",
+                                     "stride_kc_h", "stride_kc_c", "stride_kc_t", "stride_vc_b", "stride_vc_h",
+                                     "stride_vc_2", "stride_bt_s", "stride_cl")})
+    ce = dict(HKV=1, G=16, QL=4, BM=64, D=128, BS=16, BT=64, ALIGN=64, NBUF=nbuf, PRODUCER_REGS=producer_regs,
+              RAGGED=False, DIRECT=False, CONSUMER_REGS=consumer_regs)
+    if prefill:
+        ce.update(HKV=8, G=4, QL=32, BM=128, RAGGED=True, DIRECT=True, CONSUMER_REGS=consumer_regs)
     return ptxas_report(gluon_partition_kernel, types, ce, [n for n in types if n.startswith(("p_", "stride_"))],
-                        num_warps=4, maxnreg=_maxnreg().get("maxnreg"))
+                        num_warps=4, maxnreg=_maxnreg(ce["BM"]).get("maxnreg"))
 
 
 def _gpu_probe(seconds: float):
     import time
     import torch
-    from pa_backend import pa_decode
+    from pa_backend import pa_decode, pa_prefill
     from pa_backend.benchmark import accuracy, bench_case
     from pa_backend.contract import prepare_attention
-    from pa_backend.triton import launch_state
+    from pa_backend.triton import launch_state, prefill_tiling
     from backend_core.timing import copy_bandwidth_gbps, time_cuda_graph
     t_end = time.time() + seconds
     dev = torch.device("cuda")
     copy = copy_bandwidth_gbps(device=dev) * 1e9
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy / 1e12:.2f} TB/s", flush=True)
-    # short and ragged cases first (the partition's end, the causal diagonal, a hang shows early), then the
-    # target (128k tables everywhere)
-    for (B, ctx, ql) in [(5, 70, 4), (64, 777, 4), (8, 3001, 4), (32, 8192, 4), (200, 200_000, 4)]:
-        kw = bench_case(B, ctx, ql, 16, 1, 128, 16, "tensor", dev, table_tokens=131072)
-        big = B * ctx > 10**6
+
+    def prefill_m(m):  # the shipped prefill tiling's M (None: its default, 256 at D 128)
+        if m is None:
+            os.environ.pop("FLYDSL_BACKENDS_PA_PREFILL_M", None)
+        else:
+            os.environ["FLYDSL_BACKENDS_PA_PREFILL_M"] = str(m)
+        prefill_tiling.cache_clear()
+
+    # short and ragged cases first (the partition's end, the causal diagonal, a short last chunk: a hang or a
+    # wrong row shows early), then the targets (128k tables everywhere). Decode: (B, ctx, new rows); prefill:
+    # (B, cached prefix, new rows), GQA 4 (Hq 32, Hkv 8), the bench's prefill cases last.
+    cases = [("decode", 5, 70, 4), ("prefill", 2, 100, 70), ("decode", 64, 777, 4), ("prefill", 3, 0, 300),
+             ("decode", 8, 3001, 4), ("decode", 32, 8192, 4), ("decode", 200, 200_000, 4),
+             ("prefill", 4, 6144, 2048), ("prefill", 1, 30720, 2048), ("prefill", 8, 0, 1024)]
+    for kind, B, ctx, ql in cases:
+        prefill = kind == "prefill"
+        Hq, Hkv = (32, 8) if prefill else (16, 1)
+        total = ctx + ql if prefill else ctx
+        kw = bench_case(B, total, ql, Hq, Hkv, 128, 16, "tensor", dev, table_tokens=131072)
+        if prefill:
+            kw.pop("query_length")
+            kw["query_start_loc"] = torch.tensor([i * ql for i in range(B + 1)], dtype=torch.int32, device=dev)
+            run = lambda out: pa_prefill(**kw, out=out, backend="triton")  # noqa: E731
+            flops = 4 * B * Hq * 128 * sum(total - ql + 1 + i for i in range(ql))
+            size = lambda t: f"{flops / (t * 1e-6) / 1e12:.0f} TFLOP/s"  # noqa: E731
+        else:
+            run = lambda out: pa_decode(**kw, out=out, backend="triton")  # noqa: E731
+            nbytes = B * ctx * 128 * 2  # K and V bytes read (Hkv 1, D 128)
+            size = lambda t: f"{nbytes / (t * 1e-6) / copy * 100:.1f}% of copy"  # noqa: E731
+        big = B * total * Hkv > 10**6
         inner, trials = (4, 15) if big else (10, 30)
-        nbytes = B * ctx * 128 * 2  # K and V bytes read (Hkv 1, D 128)
+        desc = f"{kind} B={B} {'prefix' if prefill else 'ctx'}={ctx} ql={ql} Hq={Hq} Hkv={Hkv}"
         ref_out = torch.full_like(kw["query"], float("nan"))
-        pa_decode(**kw, out=ref_out, backend="triton")
+        prefill_m(None)
+        run(ref_out)
         err_ship = accuracy(kw, ref_out)
-        t_s = time_cuda_graph(lambda i: pa_decode(**kw, out=ref_out, backend="triton"), inner=inner,
-                              trials=trials).median_us
-        print(f"B={B} ctx={ctx} ql={ql}: shipped {t_s:.1f} us ({nbytes / (t_s * 1e-6) / copy * 100:.1f}% of copy), "
-              f"rel err {err_ship:.2e}", flush=True)
-        for nbuf, regs in ((4, 72), (3, 72), (6, 72), (2, 72)) if B * ctx > 10**5 else ((4, 72), (2, 72)):
+        t_s = time_cuda_graph(lambda i: run(ref_out), inner=inner, trials=trials).median_us
+        print(f"{desc}: shipped {t_s:.1f} us ({size(t_s)}), rel err {err_ship:.2e}", flush=True)
+        if prefill:  # the Gluon kernel's prefill works on chunks of 32 rows (M 128): the shipped one at that M
+            prefill_m(128)
+            o128 = torch.full_like(kw["query"], float("nan"))
+            run(o128)
+            t128 = time_cuda_graph(lambda i: run(o128), inner=inner, trials=trials).median_us
+            print(f"  shipped at M 128: {t128:.1f} us ({size(t128)}), rel err {accuracy(kw, o128):.2e}", flush=True)
+            variants = ((3, 72, 200), (2, 72, 200), (4, 72, 200)) if big else ((3, 72, 200),)
+        else:
+            variants = ((4, 72, 0), (3, 72, 0), (6, 72, 0), (2, 72, 0)) if big else ((4, 72, 0), (2, 72, 0))
+        for nbuf, regs, cregs in variants:
             if time.time() > t_end:
                 print("time budget spent", flush=True)
                 return
             out = torch.full_like(kw["query"], float("nan"))
-            p = prepare_attention(**kw, out=out)
-            L = launch_state(p)
+            p = prepare_attention(**kw, out=out, prefill=prefill)
+            L = launch_state(p)  # prefill: M 128 (prefill_m above)
             faulthandler.dump_traceback_later(90, exit=True)  # a hang (a barrier never completes) ends the probe
             try:
-                launch(p, L, nbuf, regs)
+                launch(p, L, nbuf, regs, cregs or 200)
                 torch.cuda.synchronize()
                 faulthandler.cancel_dump_traceback_later()
             except Exception as e:  # noqa: BLE001 (a probe: report and go on)
@@ -315,17 +415,23 @@ def _gpu_probe(seconds: float):
             err = accuracy(kw, out)
             diff = (out.float() - ref_out.float()).abs().max().item()
             out.fill_(float("nan"))
-            t_g = time_cuda_graph(lambda i: launch(p, L, nbuf, regs), inner=inner, trials=trials,
+            t_g = time_cuda_graph(lambda i: launch(p, L, nbuf, regs, cregs or 200), inner=inner, trials=trials,
                                   after_capture=lambda: out.fill_(float("nan"))).median_us
             err_replay = accuracy(kw, out)
-            print(f"  gluon NBUF={nbuf} producer regs={regs}: {t_g:.1f} us ({nbytes / (t_g * 1e-6) / copy * 100:.1f}%"
-                  f" of copy, {t_s / t_g:.2f}x), rel err {err:.2e} (replayed {err_replay:.2e}), max |gluon - shipped| "
-                  f"{diff:.2e}", flush=True)
+            print(f"  gluon NBUF={nbuf} producer regs={regs}{f' consumer regs={cregs}' if cregs else ''}"
+                  f"{' direct' if L.direct else f' P={L.split.P}'}: {t_g:.1f} us ({size(t_g)}, {t_s / t_g:.2f}x), "
+                  f"rel err {err:.2e} (replayed {err_replay:.2e}), max |gluon - shipped| {diff:.2e}", flush=True)
+        prefill_m(None)
+        del kw
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":
     if "--compile" in sys.argv:
         for nbuf, regs in ((4, 72), (3, 72), (6, 72), (2, 72)):
             print(f"NBUF={nbuf} producer regs={regs}:", compile_sm90(nbuf, regs))
+        for nbuf, regs, cregs in ((3, 72, 200), (2, 72, 200), (4, 72, 200)):
+            print(f"prefill NBUF={nbuf} producer regs={regs} consumer regs={cregs}:",
+                  compile_sm90(nbuf, regs, True, cregs))
     else:
         _gpu_probe(float(sys.argv[1]) if len(sys.argv) > 1 else 300)
