@@ -1,4 +1,4 @@
-"""Probe: a warp-specialized Gluon partition kernel for the multi-token decode (NVIDIA sm_90).
+"""Probe: a warp-specialized Gluon partition kernel for the multi-token decode and the prefill (NVIDIA sm_90).
 
 Question (benchmarks/NOTES.md, fifteenth session): the ql 4 decode (B=200, 200k context, Hq=16, Hkv=1, D=128,
 page 16, per-tensor scales, 128k tables) runs at ~41% of the copy bandwidth on the H200 with the shipped
@@ -21,10 +21,19 @@ scales, no window):
   exact: the shipped ``_split_query_fp8``), S = hi.K^T + (lo.K^T) / 16 on FP8 wgmma straight from the K
   slot, V widened FP8 -> FP16 through registers into a wgmma operand buffer, the slot released, online
   softmax in registers (exp2, log2 units), acc += P.V (P from registers);
-* the partial (m in natural-log units, l, acc times the V scale) goes to the shipped workspace.
+* the partial (m in natural-log units, l, acc times the V scale) goes to the shipped workspace (a launch of one
+  partition per item, the shipped plan's ``direct``: the output rows).
+
+Prefill (the issue's 3x target over gather + SDPA; the shipped kernel reaches ~294 TFLOP/s on the H200): the
+same kernel over the shipped ragged work items (chunks of 32 query rows x GQA 4 = M 128, the shipped plan at
+FLYDSL_BACKENDS_PA_PREFILL_M=128). A second consumer warpgroup (a 4-warp worker partition) takes rows 64..127
+of the item and reads the same K/V slots (each slot is released by both), so one K/V load serves 128 rows
+and the two warpgroups' softmax and dots interleave. One CTA per SM (12 warps with Triton's padding, a cap of
+168 registers: consumers 200, producer 72; no spills).
 
 Run on a GPU: ``python3 benchmarks/pa_probe/gluon_decode.py [seconds]`` (accuracy against float64 and the
-shipped kernel, then CUDA-graph timings of both, several NBUF). On CPU: ``--compile`` compiles it for sm_90
+shipped kernel, then CUDA-graph timings of both, several NBUF; short decode and prefill cases first, then the
+ql 4 decode target and the bench's prefill cases). On CPU: ``--compile`` compiles it for sm_90
 and prints ptxas' registers / spills (no interpreter runs Gluon).
 """
 import faulthandler
