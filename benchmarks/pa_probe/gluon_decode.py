@@ -105,6 +105,7 @@ def _producer(p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_h, start, e
         if j >= NBUF - 1:
             async_copy.wait_group(NBUF - 2)
             fence_async_shared()  # the wgmma reads K through the async proxy
+            gl.thread_barrier()  # every lane's fence before the (one) arrive: bar.warp.sync in this warp
             mbarrier.arrive(ready.index((j - (NBUF - 1)) % NBUF))
         # the slot's previous tile (j - NBUF) released by the consumer (passes at once for the first NBUF)
         mbarrier.wait(empty.index(s), ((j // NBUF) & 1) ^ 1)
@@ -294,12 +295,15 @@ def launch(p, L, nbuf: int = 4, producer_regs: int = 72, consumer_regs: int = 20
     if not (L.qk8 and _aligned16(kc, vc)):  # e4m3fn caches, 16-byte strides: what the copies' hints declare
         raise ValueError("the Gluon probe needs the QK8 path's caches (e4m3fn, 16-byte aligned strides)")
     if not (L.BM in (64, 128) and L.D == 128 and c.block_size == 16 and not c.v_transposed and not c.k_per_token
-            and not c.v_per_token and p.sliding_window == 0 and p.sinks is None and not L.queue_mode):
+            and not c.v_per_token and p.sliding_window == 0 and not L.queue_mode
+            and not (L.direct and p.sinks is not None)):
         raise ValueError("the Gluon probe covers M 64 / 128, D 128, 16-token pages, 4-D V, per-tensor scales, "
-                         "no window, no sinks, grid launches")
+                         "no window, grid launches, sinks only through the reduce")
     if L.zero_rows is not None:
         p.out[:L.zero_rows[0]].zero_()
         p.out[L.zero_rows[1]:].zero_()
+    if L.items == 0:
+        return p.out
     sp = L.split
     ws_m, ws_l, ws_acc = L.ws
     chunks = L.chunks if L.chunks is not None else p.context_lengths
@@ -314,7 +318,7 @@ def launch(p, L, nbuf: int = 4, producer_regs: int = 72, consumer_regs: int = 20
         PRODUCER_REGS=producer_regs, RAGGED=not p.is_decode, DIRECT=L.direct, CONSUMER_REGS=consumer_regs,
         num_warps=4, **_maxnreg(L.BM))
     if not L.direct:
-        _reduce(L, None, ws_m, p)
+        _reduce(L, None, p.sinks if p.sinks is not None else ws_m, p)
     return p.out
 
 
@@ -327,9 +331,11 @@ def _maxnreg(BM: int = 64):
     return {"maxnreg": int(raw)} if raw and raw != "0" else {}
 
 
-def compile_sm90(nbuf: int = 4, producer_regs: int = 72, prefill: bool = False, consumer_regs: int = 200):
+def compile_sm90(nbuf: int = 4, producer_regs: int = 72, prefill: bool = False, consumer_regs: int = 200,
+                 direct: bool = True):
     """ptxas' resource numbers for sm_90 (backend_core.aot.ptxas_report; no GPU needed): the ql 4 decode
-    (BM 64, GQA 16) or the prefill (BM 128 = 32 rows x GQA 4, ragged chunks, direct output)."""
+    (BM 64, GQA 16) or the prefill (BM 128 = 32 rows x GQA 4, ragged chunks; ``direct``: one partition per
+    chunk, the output rows written by the kernel, else the workspace)."""
     from backend_core.aot import ptxas_report
     types = {n: "*fp32" for n in ("p_ks", "p_vs", "p_ws_m", "p_ws_l", "p_ws_acc")}
     types.update(p_q="*bf16", p_out="*bf16", p_kc="*fp8e4nv", p_vc="*fp8e4nv", p_bt="*i32", p_cl="*i32",
@@ -341,7 +347,7 @@ def compile_sm90(nbuf: int = 4, producer_regs: int = 72, prefill: bool = False, 
     ce = dict(HKV=1, G=16, QL=4, BM=64, D=128, BS=16, BT=64, ALIGN=64, NBUF=nbuf, PRODUCER_REGS=producer_regs,
               RAGGED=False, DIRECT=False, CONSUMER_REGS=consumer_regs)
     if prefill:
-        ce.update(HKV=8, G=4, QL=32, BM=128, RAGGED=True, DIRECT=True, CONSUMER_REGS=consumer_regs)
+        ce.update(HKV=8, G=4, QL=32, BM=128, RAGGED=True, DIRECT=direct, CONSUMER_REGS=consumer_regs)
     return ptxas_report(gluon_partition_kernel, types, ce, [n for n in types if n.startswith(("p_", "stride_"))],
                         num_warps=4, maxnreg=_maxnreg(ce["BM"]).get("maxnreg"))
 
@@ -349,9 +355,9 @@ def compile_sm90(nbuf: int = 4, producer_regs: int = 72, prefill: bool = False, 
 def _gpu_probe(seconds: float):
     import time
     import torch
-    from pa_backend import pa_decode, pa_prefill
+    from pa_backend import pa_decode, plan_prefill
     from pa_backend.benchmark import accuracy, bench_case
-    from pa_backend.contract import prepare_attention
+    from pa_backend.contract import check_layer, prepare_attention
     from pa_backend.triton import launch_state, prefill_tiling
     from backend_core.timing import copy_bandwidth_gbps, time_cuda_graph
     t_end = time.time() + seconds
@@ -377,10 +383,20 @@ def _gpu_probe(seconds: float):
         Hq, Hkv = (32, 8) if prefill else (16, 1)
         total = ctx + ql if prefill else ctx
         kw = bench_case(B, total, ql, Hq, Hkv, 128, 16, "tensor", dev, table_tokens=131072)
+        layer = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
         if prefill:
+            # as the bench and the adapters: a plan per batch from the host offsets, bounded by the longest
+            # context (a new plan per tiling: a plan keeps its launch state); its first run (the graph timer's
+            # warm-up, outside the capture) makes the chunks
             kw.pop("query_length")
-            kw["query_start_loc"] = torch.tensor([i * ql for i in range(B + 1)], dtype=torch.int32, device=dev)
-            run = lambda out: pa_prefill(**kw, out=out, backend="triton")  # noqa: E731
+            qsl = [i * ql for i in range(B + 1)]
+            kw["query_start_loc"] = torch.tensor(qsl, dtype=torch.int32, device=dev)
+
+            def new_plan():
+                return plan_prefill(kw["block_tables"], kw["query_start_loc"], kw["context_lengths"],
+                                    query_start_loc_host=qsl, max_context=total, backend="triton")
+            plan = new_plan()
+            run = lambda out: plan.run(**layer, out=out)  # noqa: E731
             flops = 4 * B * Hq * 128 * sum(total - ql + 1 + i for i in range(ql))
             size = lambda t: f"{flops / (t * 1e-6) / 1e12:.0f} TFLOP/s"  # noqa: E731
         else:
@@ -398,20 +414,25 @@ def _gpu_probe(seconds: float):
         print(f"{desc}: shipped {t_s:.1f} us ({size(t_s)}), rel err {err_ship:.2e}", flush=True)
         if prefill:  # the Gluon kernel's prefill works on chunks of 32 rows (M 128): the shipped one at that M
             prefill_m(128)
+            plan = new_plan()
             o128 = torch.full_like(kw["query"], float("nan"))
             run(o128)
             t128 = time_cuda_graph(lambda i: run(o128), inner=inner, trials=trials).median_us
             print(f"  shipped at M 128: {t128:.1f} us ({size(t128)}), rel err {accuracy(kw, o128):.2e}", flush=True)
-            variants = ((3, 72, 200), (2, 72, 200), (4, 72, 200)) if big else ((3, 72, 200),)
+            variants = ((3, 72, 200), (2, 72, 200), (4, 72, 200))
         else:
-            variants = ((4, 72, 0), (3, 72, 0), (6, 72, 0), (2, 72, 0)) if big else ((4, 72, 0), (2, 72, 0))
+            variants = ((4, 72, 0), (3, 72, 0), (6, 72, 0), (2, 72, 0)) if B * ctx > 10**5 else ((4, 72, 0), (2, 72, 0))
         for nbuf, regs, cregs in variants:
             if time.time() > t_end:
                 print("time budget spent", flush=True)
                 return
             out = torch.full_like(kw["query"], float("nan"))
-            p = prepare_attention(**kw, out=out, prefill=prefill)
-            L = launch_state(p)  # prefill: M 128 (prefill_m above)
+            if prefill:  # the M-128 plan's problem and launch state (as plan.run builds them)
+                p = check_layer(plan.batch, **layer, out=out, anchor="block_tables")
+                p.plan = plan
+            else:
+                p = prepare_attention(**kw, out=out)
+            L = launch_state(p)
             faulthandler.dump_traceback_later(90, exit=True)  # a hang (a barrier never completes) ends the probe
             try:
                 launch(p, L, nbuf, regs, cregs or 200)
@@ -439,8 +460,9 @@ if __name__ == "__main__":
     if "--compile" in sys.argv:
         for nbuf, regs in ((4, 72), (3, 72), (6, 72), (2, 72)):
             print(f"NBUF={nbuf} producer regs={regs}:", compile_sm90(nbuf, regs))
-        for nbuf, regs, cregs in ((3, 72, 200), (2, 72, 200), (4, 72, 200)):
-            print(f"prefill NBUF={nbuf} producer regs={regs} consumer regs={cregs}:",
-                  compile_sm90(nbuf, regs, True, cregs))
+        for nbuf, regs, cregs, direct in ((3, 72, 200, True), (2, 72, 200, True), (4, 72, 200, True),
+                                          (3, 72, 200, False)):
+            print(f"prefill NBUF={nbuf} producer regs={regs} consumer regs={cregs} direct={direct}:",
+                  compile_sm90(nbuf, regs, True, cregs, direct))
     else:
         _gpu_probe(float(sys.argv[1]) if len(sys.argv) > 1 else 300)
