@@ -3,7 +3,7 @@
 # bench-kda bench-pa bench-pa-nreg<N>
 # sweep-pa e2e-vllm
 # e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang spec-sglang kimi-sglang
-# probe-warps probe-grid probe-tail probe-short probe-short-vllm profile-vllm host-vllm host-sglang small-work ncu-decode ncu-gluon gluon-decode gluon-ws
+# probe-warps probe-grid probe-tail probe-short probe-short-vllm profile-vllm host-vllm host-sglang small-work ncu-decode ncu-gluon gluon-decode gluon-ws gluon-won
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
 # Optional wheels (fla-core for the composed KDA baseline) travel in .whl/ and go to /tmp/site.
@@ -139,10 +139,15 @@ for step in $steps; do
     # the Gluon kernel wired into the Triton backend (benchmarks/pa_probe/gluon_ws.patch, not on main; switched on
     # by FLYDSL_BACKENDS_PA_GLUON=1): applied to this copy of the tree (later steps of the call run with it), then
     # its CPU and GPU tests and the bench's decode rows with the switch on (the ql 4 row takes it)
-    gluon-ws) cmd=(bash -c "git apply benchmarks/pa_probe/gluon_ws.patch && echo applied &&
+    # (GLUON_BENCH=0: the tests only)
+    gluon-ws) cmd=(bash -c "(git apply --check -R benchmarks/pa_probe/gluon_ws.patch 2>/dev/null ||
+                   git apply benchmarks/pa_probe/gluon_ws.patch) && echo applied &&
                    python3 -m pytest -q pa_backend/tests/test_gluon.py -p no:cacheprovider -rfs;
-                   a=\$?; FLYDSL_BACKENDS_PA_GLUON=1 python3 -m flydsl_backends bench pa --no-baseline --out $out/pa_bench_gluon.csv;
+                   a=\$?; [ \"${GLUON_BENCH:-1}\" = 0 ] && exit \$a;
+                   FLYDSL_BACKENDS_PA_GLUON=1 python3 -m flydsl_backends bench pa --no-baseline --out $out/pa_bench_gluon.csv;
                    exit \$((a | \$?))") ;;
+    # exit 0 when gluon-decode's log shows the Gluon kernel correct and faster at the ql 4 target
+    gluon-won) cmd=(python3 benchmarks/pa_probe/gluon_won.py "$out/gluon-decode.txt") ;;
     # the warp-specialized Gluon partition kernel for the ql 4 decode against the shipped one (accuracy, graph
     # timings; benchmarks/pa_probe/gluon_decode.py; GL_MAXNREG: the launch's register cap, 128 = 2 CTAs per SM)
     gluon-decode) cmd=(env GL_MAXNREG="${GL_MAXNREG:-128}" python3 benchmarks/pa_probe/gluon_decode.py "${PROBE_SECONDS:-240}") ;;
