@@ -134,11 +134,11 @@ def _producer(p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_h, start, e
 
 
 @gluon.jit
-def _consumer(p_q, p_out, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
+def _consumer(p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
               i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
               stride_q_t, stride_q_h, stride_o_t, stride_o_h,
               CI: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, QL: gl.constexpr, BM: gl.constexpr,
-              D: gl.constexpr, BT: gl.constexpr, NBUF: gl.constexpr, DIRECT: gl.constexpr):
+              D: gl.constexpr, BT: gl.constexpr, NBUF: gl.constexpr, DIRECT: gl.constexpr, HAS_SINKS: gl.constexpr):
     """Consumer warpgroup CI: rows CI * 64 .. CI * 64 + 63 of the item's BM, over every tile of the partition;
     then its partial into the workspace (DIRECT: its output rows)."""
     MW: gl.constexpr = 64  # rows per consumer warpgroup (wgmma M 64 per warpgroup)
@@ -212,8 +212,17 @@ def _consumer(p_q, p_out, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_
     o_c = gl.arange(0, D, gl.SliceLayout(0, O_L))
     acc = acc * gl.load(p_vs)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
-    if DIRECT:  # one partition: the output rows (a row that attended nothing: zeros)
-        o = gl.where((l_o > 0)[:, None], acc / gl.where(l_o > 0, l_o, 1.0)[:, None], 0.0)
+    if DIRECT:  # one partition: the output rows (a row that attended nothing: zeros), as _store_rows
+        attended = l_o > 0
+        if HAS_SINKS:  # exp(sink - m) joins the denominator (natural-log units)
+            m_o = gl.convert_layout(m_i * 0.6931471805599453, gl.SliceLayout(1, O_L))
+            sink = gl.load(p_sinks + i_h * G + o_r % G)
+            m_s = gl.maximum(m_o, sink)
+            m_sb = gl.where(m_s == float("-inf"), 0.0, m_s)
+            w = gl.exp(m_o - m_sb)
+            l_o = l_o * w + gl.exp(sink - m_sb)
+            acc = acc * w[:, None]
+        o = gl.where(attended[:, None], acc / gl.where(l_o > 0, l_o, 1.0)[:, None], 0.0)
         row_ok = (o_r < G * QL) & (o_r // G < nrows)
         p_o = (p_out + (q0 + (o_r // G).to(gl.int64))[:, None] * stride_o_t
                + (i_h * G + o_r % G)[:, None] * stride_o_h + o_c[None, :])
@@ -227,7 +236,7 @@ def _consumer(p_q, p_out, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_
 
 @gluon.jit(do_not_specialize=("P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt"))
 def gluon_partition_kernel(
-    p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_out,
+    p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_out, p_sinks,
     P, softmax_scale, max_tokens, num_blocks, few_target, min_pt, long_pt,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
@@ -236,6 +245,7 @@ def gluon_partition_kernel(
     HKV: gl.constexpr, G: gl.constexpr, QL: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
     BT: gl.constexpr, ALIGN: gl.constexpr, NBUF: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     RAGGED: gl.constexpr = False, DIRECT: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 200,
+    HAS_SINKS: gl.constexpr = False,
 ):
     # BM 64: one consumer warpgroup (the default partition); BM 128 (prefill): a second one as a worker
     # partition, on the other 64 rows of the item, reading the same K/V slots (each slot released by both)
@@ -264,24 +274,27 @@ def gluon_partition_kernel(
     # the constexprs the partitions' layouts need)
     if NC == 1:
         gl.warp_specialize(
-            [(_consumer, (p_q, p_out, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
+            [(_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
-                          stride_q_t, stride_q_h, stride_o_t, stride_o_h, 0, HKV, G, QL, BM, D, BT, NBUF, DIRECT)),
+                          stride_q_t, stride_q_h, stride_o_t, stride_o_h, 0, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
+                          HAS_SINKS)),
              (_producer, (p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_hkv, start, end, num_blocks,
                           stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2,
                           stride_bt_s, D, BS, BT, NBUF))],
             [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize(
-            [(_consumer, (p_q, p_out, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
+            [(_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
-                          stride_q_t, stride_q_h, stride_o_t, stride_o_h, 0, HKV, G, QL, BM, D, BT, NBUF, DIRECT)),
+                          stride_q_t, stride_q_h, stride_o_t, stride_o_h, 0, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
+                          HAS_SINKS)),
              (_producer, (p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_hkv, start, end, num_blocks,
                           stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2,
                           stride_bt_s, D, BS, BT, NBUF)),
-             (_consumer, (p_q, p_out, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
+             (_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
-                          stride_q_t, stride_q_h, stride_o_t, stride_o_h, 1, HKV, G, QL, BM, D, BT, NBUF, DIRECT))],
+                          stride_q_t, stride_q_h, stride_o_t, stride_o_h, 1, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
+                          HAS_SINKS))],
                            [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
 
 
@@ -295,10 +308,9 @@ def launch(p, L, nbuf: int = 4, producer_regs: int = 72, consumer_regs: int = 20
     if not (L.qk8 and _aligned16(kc, vc)):  # e4m3fn caches, 16-byte strides: what the copies' hints declare
         raise ValueError("the Gluon probe needs the QK8 path's caches (e4m3fn, 16-byte aligned strides)")
     if not (L.BM in (64, 128) and L.D == 128 and c.block_size == 16 and not c.v_transposed and not c.k_per_token
-            and not c.v_per_token and p.sliding_window == 0 and not L.queue_mode
-            and not (L.direct and p.sinks is not None)):
+            and not c.v_per_token and p.sliding_window == 0 and not L.queue_mode):
         raise ValueError("the Gluon probe covers M 64 / 128, D 128, 16-token pages, 4-D V, per-tensor scales, "
-                         "no window, grid launches, sinks only through the reduce")
+                         "no window, grid launches")
     if L.zero_rows is not None:
         p.out[:L.zero_rows[0]].zero_()
         p.out[L.zero_rows[1]:].zero_()
@@ -307,18 +319,20 @@ def launch(p, L, nbuf: int = 4, producer_regs: int = 72, consumer_regs: int = 20
     sp = L.split
     ws_m, ws_l, ws_acc = L.ws
     chunks = L.chunks if L.chunks is not None else p.context_lengths
+    sinks = p.sinks if p.sinks is not None else ws_m  # any fp32 pointer when there are none
     gluon_partition_kernel[(L.items, c.Hkv, sp.P)](
         p.query, kc, vc, c.key_scale, c.value_scale, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc,
-        p.out, sp.P, p.softmax_scale, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens, sp.long_tokens,
+        p.out, sinks, sp.P, p.softmax_scale, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens, sp.long_tokens,
         p.query.stride(0), p.query.stride(1), p.out.stride(0), p.out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2),
         p.block_tables.stride(0), p.context_lengths.stride(0),
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=64, ALIGN=L.align, NBUF=nbuf,
         PRODUCER_REGS=producer_regs, RAGGED=not p.is_decode, DIRECT=L.direct, CONSUMER_REGS=consumer_regs,
+        HAS_SINKS=L.direct and p.sinks is not None,  # read only by a direct launch (no second compile otherwise)
         num_warps=4, **_maxnreg(L.BM))
     if not L.direct:
-        _reduce(L, None, p.sinks if p.sinks is not None else ws_m, p)
+        _reduce(L, None, sinks, p)
     return p.out
 
 
@@ -337,7 +351,7 @@ def compile_sm90(nbuf: int = 4, producer_regs: int = 72, prefill: bool = False, 
     (BM 64, GQA 16) or the prefill (BM 128 = 32 rows x GQA 4, ragged chunks; ``direct``: one partition per
     chunk, the output rows written by the kernel, else the workspace)."""
     from backend_core.aot import ptxas_report
-    types = {n: "*fp32" for n in ("p_ks", "p_vs", "p_ws_m", "p_ws_l", "p_ws_acc")}
+    types = {n: "*fp32" for n in ("p_ks", "p_vs", "p_ws_m", "p_ws_l", "p_ws_acc", "p_sinks")}
     types.update(p_q="*bf16", p_out="*bf16", p_kc="*fp8e4nv", p_vc="*fp8e4nv", p_bt="*i32", p_cl="*i32",
                  p_chunks="*i32", softmax_scale="fp32")
     types.update({n: "i32" for n in ("P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt",
@@ -345,9 +359,10 @@ def compile_sm90(nbuf: int = 4, producer_regs: int = 72, prefill: bool = False, 
                                      "stride_kc_h", "stride_kc_c", "stride_kc_t", "stride_vc_b", "stride_vc_h",
                                      "stride_vc_2", "stride_bt_s", "stride_cl")})
     ce = dict(HKV=1, G=16, QL=4, BM=64, D=128, BS=16, BT=64, ALIGN=64, NBUF=nbuf, PRODUCER_REGS=producer_regs,
-              RAGGED=False, DIRECT=False, CONSUMER_REGS=consumer_regs)
+              RAGGED=False, DIRECT=False, CONSUMER_REGS=consumer_regs, HAS_SINKS=False)
     if prefill:
-        ce.update(HKV=8, G=4, QL=32, BM=128, RAGGED=True, DIRECT=direct, CONSUMER_REGS=consumer_regs)
+        ce.update(HKV=8, G=4, QL=32, BM=128, RAGGED=True, DIRECT=direct, CONSUMER_REGS=consumer_regs,
+                  HAS_SINKS=direct)
     return ptxas_report(gluon_partition_kernel, types, ce, [n for n in types if n.startswith(("p_", "stride_"))],
                         num_warps=4, maxnreg=_maxnreg(ce["BM"]).get("maxnreg"))
 
