@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -68,24 +69,35 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
 
+    # log lines that explain a failed start wherever they are in the log (the tail alone may miss them):
+    # why vLLM spawned a process, where CUDA was first initialised (vllm_serve.trace_cuda_init), the
+    # exceptions' last lines
+    KEY_LINES = re.compile(r"Reasons:|flydsl-e2e:|^\S*(Error|Exception)\b.*:")
+
     def log_text(self) -> str:
         if not self.log.closed:
             self.log.flush()
         return self.log_path.read_text(errors="replace")
+
+    def failure_text(self, tail: int = 6000) -> str:
+        """The log's key lines (``KEY_LINES``, at most 30), then its last ``tail`` characters."""
+        text = self.log_text()
+        keys = [line[:3000] for line in text.splitlines() if self.KEY_LINES.search(line)][:30]
+        return ("key lines:\n" + "\n".join(keys) + "\n\nlog tail:\n" if keys else "") + text[-tail:]
 
     def wait_ready(self, timeout: float = START_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"server exited with {self.proc.returncode} before it was ready:\n"
-                            f"{self.log_text()[-6000:]}")
+                            f"{self.failure_text()}")
             try:
                 if get(self.base + "/health")[0] == 200:
                     return
             except (urllib.error.URLError, OSError):
                 pass
             time.sleep(1.0)
-        pytest.fail(f"server not ready after {timeout} s:\n{self.log_text()[-6000:]}")
+        pytest.fail(f"server not ready after {timeout} s:\n{self.failure_text()}")
 
     def group_alive(self) -> bool:
         try:

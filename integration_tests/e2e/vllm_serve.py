@@ -22,6 +22,11 @@ module.
 
 The ``flydsl_backends`` loggers print to stderr at INFO in both processes, so the server log shows
 the plugin registering and which implementation the paged-attention calls chose.
+
+On a GPU (``FLYDSL_E2E_CUDA=1``) the API server's process records where torch first initialises CUDA
+(``trace_cuda_init``): vLLM then spawns the engine core instead of forking it, and a spawned engine core
+cannot unpickle ``FLYDSL``; the log line ``flydsl-e2e: CUDA initialised in the API server`` names the
+caller.
 """
 
 from __future__ import annotations
@@ -51,7 +56,41 @@ def _prepare_process() -> None:
         vllm_cpu.prepare()
 
 
+CUDA_INIT_MARK = "flydsl-e2e: CUDA initialised in the API server"
+
+
+def trace_cuda_init() -> None:
+    """From now on, the first initialisation of CUDA through torch in this process (not in its forked
+    children, whose engine core initialises it as it should) writes one line to
+    stderr: ``CUDA_INIT_MARK``, then the Python stack that caused it (frames joined by " | "). torch's
+    CUDA functions look ``_lazy_init`` up in ``torch.cuda``'s globals, where this wraps it."""
+    import os
+    import traceback
+
+    import torch.cuda
+
+    real = torch.cuda._lazy_init
+    if getattr(real, "_flydsl_traced", False):
+        return
+    pid = os.getpid()
+
+    def traced():
+        if not torch.cuda.is_initialized() and os.getpid() == pid:  # not in a forked engine core
+            frames = traceback.format_stack(limit=30)[:-1]
+            stack = " | ".join(f.strip().replace("\n", " ") for f in frames)
+            sys.stderr.write(f"{CUDA_INIT_MARK} at: {stack}\n")
+            sys.stderr.flush()
+        return real()
+
+    traced._flydsl_traced = True
+    torch.cuda._lazy_init = traced
+
+
 def main(argv=None) -> None:
+    import os
+
+    if os.environ.get("FLYDSL_E2E_CUDA") == "1":
+        trace_cuda_init()
     _prepare_process()
     from vllm.entrypoints.cli.main import main as vllm_main
 
