@@ -136,15 +136,12 @@ for step in $steps; do
                        backend_core/tests/test_launch.py -p no:cacheprovider -x &&
                      PROBE_CASES=small PROBE_VARIANTS=tree python3 benchmarks/pa_probe/short_probe.py 60 &&
                      PROBE_SETTINGS=default PROBE_CONFIGS=0,1,3 python3 benchmarks/pa_probe/warps_probe.py 120") ;;
-    # the Gluon kernel wired into the Triton backend (benchmarks/pa_probe/gluon_ws.patch, not on main; switched on
-    # by FLYDSL_BACKENDS_PA_GLUON=1): applied to this copy of the tree (later steps of the call run with it), then
-    # its CPU and GPU tests and the bench's decode rows with the switch on (the ql 4 row takes it)
+    # the Gluon kernel in the Triton backend (opt-in, FLYDSL_BACKENDS_PA_GLUON=1 / all): its CPU and GPU tests, then
+    # the bench with it on for decode and prefill (the ql 4 decode row and the prefill rows take it)
     # (GLUON_BENCH=0: the tests only)
-    gluon-ws) cmd=(bash -c "(git apply --check -R benchmarks/pa_probe/gluon_ws.patch 2>/dev/null ||
-                   git apply benchmarks/pa_probe/gluon_ws.patch) && echo applied &&
-                   python3 -m pytest -q pa_backend/tests/test_gluon.py -p no:cacheprovider -rfs;
+    gluon-ws) cmd=(bash -c "python3 -m pytest -q pa_backend/tests/test_gluon.py -p no:cacheprovider -rfs;
                    a=\$?; [ \"${GLUON_BENCH:-1}\" = 0 ] && exit \$a;
-                   FLYDSL_BACKENDS_PA_GLUON=1 python3 -m flydsl_backends bench pa --no-baseline --out $out/pa_bench_gluon.csv;
+                   FLYDSL_BACKENDS_PA_GLUON=all python3 -m flydsl_backends bench pa --no-baseline --out $out/pa_bench_gluon.csv;
                    exit \$((a | \$?))") ;;
     # exit 0 when gluon-decode's log shows the Gluon kernel correct and faster at the ql 4 target
     gluon-won) cmd=(python3 benchmarks/pa_probe/gluon_won.py "$out/gluon-decode.txt") ;;

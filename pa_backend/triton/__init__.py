@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -108,7 +108,8 @@ def split_policy(warps: int) -> Tuple[int, int]:
 
 
 @functools.lru_cache(maxsize=1024)
-def prefill_tiling(D: int, G: int, block_size: int = 16, amd: bool = False) -> Tuple[int, int, int, int]:
+def prefill_tiling(D: int, G: int, block_size: int = 16, amd: bool = False,
+                   m: Optional[int] = None) -> Tuple[int, int, int, int]:
     """(query rows per work item, BT, warps, stages) of a prefill launch: a work item is a tile of
     query rows of one sequence times its GQA group (the dots' M = rows * G). FLYDSL_BACKENDS_PA_PREFILL_M
     / _BT / _WARPS / _STAGES override them (call ``prefill_tiling.cache_clear()`` after changing them).
@@ -117,6 +118,8 @@ def prefill_tiling(D: int, G: int, block_size: int = 16, amd: bool = False) -> T
     with 8 warps 4.95 ms (the best spill-free setting). ptxas spills 164 bytes at M 256 with Triton
     3.6; the resource test allows exactly this configuration's spills (SPILL_ALLOWED in resources.py).
 
+    ``m``: this M instead (the Gluon kernel's 128-row prefill items, gluon_prefill).
+
     ``amd``: the tiling for AMD GPUs, not run there (no AMD GPU here). The H200's M 256 / 8-warp tile
     needs all 256 VGPRs and 64 KB of LDS there and spills ~500 bytes per lane (gfx942 496, gfx950 524):
     an 8-wave workgroup caps a wave at 256 registers. D <= 128 takes M 128, BT 64, 4 warps, 1 stage
@@ -124,7 +127,7 @@ def prefill_tiling(D: int, G: int, block_size: int = 16, amd: bool = False) -> T
     CUDA; a 4-wave workgroup may use the accumulation registers too): no scratch on either arch
     (resources.amdgcn_report). D 256 keeps M 64 (no scratch).
     """
-    m = _env_int("FLYDSL_BACKENDS_PA_PREFILL_M", (128 if amd else 256) if D == 128 else 128 if D < 128 else 64)
+    m = m or _env_int("FLYDSL_BACKENDS_PA_PREFILL_M", (128 if amd else 256) if D == 128 else 128 if D < 128 else 64)
     rows = max(1, m // G)
     bt, warps, stages = decode_tiling(D, work_rows(G, rows), block_size, amd)
     if D <= 128 and work_rows(G, rows) >= 128:
@@ -245,7 +248,9 @@ class _Launch:
             self.QL, self.items, self.chunks = p.query_length, p.num_seqs, None
             self.zero_rows = None
         else:
-            self.QL = prefill_tiling(self.D, self.G, c.block_size, amd)[0]
+            # the Gluon kernel's prefill takes 128-row items (gluon_decode.py), the Triton kernel 256
+            self.prefill_m = GLUON_PREFILL_M if gluon_prefill(p) else None
+            self.QL = prefill_tiling(self.D, self.G, c.block_size, amd, self.prefill_m)[0]
             # the chunks that see the most context first (a sequence's last chunks): the long programs
             # start in the first wave instead of forming the tail
             rows = sorted(prefill_chunks(p.query_start_loc_host, self.QL), key=lambda r: r[3])
@@ -256,7 +261,7 @@ class _Launch:
         if p.is_decode:
             bt, self.warps, self.stages = decode_tiling(self.D, self.BM, c.block_size, amd)
         else:
-            _, bt, self.warps, self.stages = prefill_tiling(self.D, self.G, c.block_size, amd)
+            _, bt, self.warps, self.stages = prefill_tiling(self.D, self.G, c.block_size, amd, self.prefill_m)
         if bt & (bt - 1) or bt < 16:
             raise ValueError(f"BT={bt}: expected a power of two >= 16")
         if c.block_size & (c.block_size - 1):
@@ -297,6 +302,8 @@ class _Launch:
         # kernel writes the output rows itself and the reduce is not launched (one launch per layer less)
         self.direct = not self.queue_mode and self.split.P == 1
         self.reduce_warps, self.reduce_unroll = reduce_warps(self.D, self.BM), reduce_unroll(self.D, self.BM)
+        # the warp-specialized Gluon partition kernel instead of the Triton one (gluon_decode.py)
+        self.gluon = gluon_ws(p, self)
         # a plan's bound launches (backend_core.launch.bind) by layer signature; eager calls: none
         self.bound = {} if plan is not None else None
 
@@ -337,6 +344,8 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         if bound[1] is not None:
             _reduce(L, bound[1], sinks, p)
         return p.out
+    if L.gluon and gluon_covers(p):
+        return _run_gluon(L, sinks, p)
     from .pa_decode import pa_decode_partition_kernel  # imports triton
 
     chunks = L.chunks if L.chunks is not None else p.context_lengths
@@ -409,6 +418,107 @@ def _reduce(L: "_Launch", bound, sinks, p: PAProblem):
         if L.queue_mode and not (p.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             L.queue.zero_()
         raise
+
+
+# the Gluon kernel's ring slots, its producer warp's registers and the launch's register cap (gluon_decode.py);
+# 128-row items (two consumer warpgroups): the same slots and producer, a cap of 168 and 200 per consumer
+GLUON_SLOTS, GLUON_PRODUCER_REGS, GLUON_MAXNREG = 4, 72, 128
+GLUON_SLOTS_128, GLUON_MAXNREG_128, GLUON_CONSUMER_REGS = 3, 168, 200
+GLUON_PREFILL_M = 128
+
+
+def gluon_mode() -> str:
+    """FLYDSL_BACKENDS_PA_GLUON: unset or "0" -> "off", "1" -> "decode" (the 64-row decode programs), "all" ->
+    "all" (prefill's 128-row items too)."""
+    raw = os.environ.get("FLYDSL_BACKENDS_PA_GLUON", "").strip()
+    if raw not in ("", "0", "1", "all"):
+        raise ValueError(f"FLYDSL_BACKENDS_PA_GLUON={raw!r}: expected 0, 1 or all")
+    return {"": "off", "0": "off", "1": "decode", "all": "all"}[raw]
+
+
+def gluon_ws(p: PAProblem, L: "_Launch") -> bool:
+    """Whether the plan's layers run on the warp-specialized Gluon kernel (gluon_decode.py) where they can:
+    Hopper (sm_90: wgmma; not in Triton's interpreter), decode programs of 64 rows launched on a grid with a
+    reduce (P > 1; FLYDSL_BACKENDS_PA_GLUON=1), and prefill items of 128 rows too (=all): ``gluon_eligible``.
+    Opt-in. H100 (benchmarks/pa_probe/gluon_H100_2026-12-06.txt, CUDA-graph replay against the Triton kernel in
+    the same run): the ql 4 decode 1.03x at B=200 / 200k and 1.06-1.21x at B=5-64 with 70-8192 tokens; prefill
+    at 128 rows 0.94-0.98x the Triton kernel's 256-row items on the bench's long cases, 1.04-1.05x on shorter
+    ones. Not timed on an H200. It launches through Triton's ``kernel[grid]`` at every layer (no bound launch:
+    more host time per layer in eager steps; none under CUDA graphs). Each layer is checked again
+    (``gluon_covers``): the launch state is made from a plan's first layer, and a later one may have a sliding
+    window (models that alternate them), other scales, another cache layout or alignment; such a layer takes
+    the Triton kernel."""
+    mode = gluon_mode()
+    return (mode == "all" or (mode == "decode" and p.is_decode)) and gluon_eligible(p, L)
+
+
+@functools.lru_cache(maxsize=1)
+def gluon_available() -> bool:
+    """Whether this Triton has Gluon's Hopper ops (triton.experimental.gluon, Triton 3.6): an experimental
+    API, so a Triton without it keeps the Triton kernel."""
+    try:
+        import triton.experimental.gluon.language.nvidia.hopper  # noqa: F401
+    except Exception:  # noqa: BLE001 (no triton, or one without Gluon's Hopper ops)
+        return False
+    return True
+
+
+def gluon_covers(p: PAProblem, window: bool = True) -> bool:
+    """What the Gluon kernel covers of a layer: D 128 on the FP8 Q.K path (e4m3fn caches with 16-byte strides),
+    16-token pages (larger ones spill 8 bytes), the 4-D value layout, per-tensor scales, no sliding window
+    (``window=False``: whatever the window), on an sm_90 GPU."""
+    c = p.cache
+    return (p.device.type == "cuda" and _v_maxnum(p.device) and platform.device_info(p.device).sm_version == 90
+            and gluon_available() and c.D == 128 and fp8_qk(p.device, c, 128) and _aligned16(c.key_cache, c.value_cache)
+            and c.block_size == 16 and not c.v_transposed and not c.k_per_token and not c.v_per_token
+            and (p.sliding_window == 0 or not window))
+
+
+def gluon_prefill(p: PAProblem) -> bool:
+    """Whether the prefill launch state of ``p`` is made for the Gluon kernel: items of GLUON_PREFILL_M rows
+    instead of prefill_tiling's (FLYDSL_BACKENDS_PA_PREFILL_M does not apply then). Decided on the plan's first
+    layer, whatever its window (a model's first layer may have one where most do not)."""
+    return not p.is_decode and gluon_mode() == "all" and gluon_covers(p, window=False)
+
+
+def gluon_eligible(p: PAProblem, L: "_Launch") -> bool:
+    """Whether launch state ``L`` suits the Gluon kernel (gluon_ws's conditions but the switch and the layer's)."""
+    rows_ok = (L.BM == 64 and not L.direct) if p.is_decode else L.BM == GLUON_PREFILL_M
+    return gluon_covers(p, window=False) and rows_ok and L.qk8 and not L.queue_mode
+
+
+def _run_gluon(L: "_Launch", sinks, p: PAProblem, slots: Optional[int] = None,
+               producer_regs: int = GLUON_PRODUCER_REGS, maxnreg: Optional[int] = None,
+               consumer_regs: int = GLUON_CONSUMER_REGS) -> torch.Tensor:
+    """The Gluon partition kernel, then the shipped reduce (none for a direct launch); ``sinks``: p.sinks or any
+    fp32 pointer. The caller has zeroed the rows outside every sequence and skipped empty batches
+    (_run_attention). ``slots`` /
+    ``producer_regs`` / ``maxnreg`` / ``consumer_regs``: the ring depth and register split (None: the
+    defaults for the item's rows; other values for benchmarks/pa_probe/gluon_decode.py's variants)."""
+    from .gluon_decode import gluon_partition_kernel  # imports triton's gluon
+
+    c, sp = p.cache, L.split
+    kc, vc = c.key_cache, c.value_cache
+    if slots is None:
+        slots = GLUON_SLOTS if L.BM == 64 else GLUON_SLOTS_128
+    if maxnreg is None:
+        maxnreg = GLUON_MAXNREG if L.BM == 64 else GLUON_MAXNREG_128
+    ws_m, ws_l, ws_acc = L.ws
+    chunks = L.chunks if L.chunks is not None else p.context_lengths
+    gluon_partition_kernel[(L.items, c.Hkv, sp.P)](
+        p.query, kc, vc, c.key_scale, c.value_scale, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc,
+        p.out, sinks, sp.P, p.softmax_scale, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens, sp.long_tokens,
+        p.query.stride(0), p.query.stride(1), p.out.stride(0), p.out.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
+        vc.stride(0), vc.stride(1), vc.stride(2),
+        p.block_tables.stride(0), p.context_lengths.stride(0),
+        HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=64, ALIGN=L.align, NBUF=slots,
+        PRODUCER_REGS=producer_regs, RAGGED=not p.is_decode, DIRECT=L.direct, CONSUMER_REGS=consumer_regs,
+        HAS_SINKS=L.direct and p.sinks is not None,  # read only by a direct launch (no second compile otherwise)
+        num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
+    if not L.direct:
+        _reduce(L, None, sinks, p)
+    return p.out
 
 
 def fp8_qk(device: torch.device, cache, BM: int) -> bool:

@@ -10,7 +10,8 @@ from typing import Dict, Optional
 from backend_core.aot import amdgcn_report as _amdgcn_report
 from backend_core.aot import ptxas_report as _ptxas_report
 
-__all__ = ["ptxas_report", "amdgcn_report", "SHIPPED_CONFIGS", "SPILL_ALLOWED", "AMD_SCRATCH_ALLOWED"]
+__all__ = ["ptxas_report", "gluon_ptxas_report", "amdgcn_report", "SHIPPED_CONFIGS", "SPILL_ALLOWED",
+           "AMD_SCRATCH_ALLOWED"]
 
 # (D, block_size, G * query_length rows, V 5-D, per-token scales) covering the issue's shapes
 SHIPPED_CONFIGS = [(D, bs, m, v5, pt) for D in (64, 128, 256) for bs in (16, 64, 128) for m in (16, 64)
@@ -135,3 +136,28 @@ def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks
         constexprs["stride_vc_3"] = 1
     divisible = [n for n in types if n.startswith(("p_", "stride_"))]
     return fn, types, constexprs, divisible, warps, stages, maxnreg
+
+
+def gluon_ptxas_report(slots: int, producer_regs: int, maxnreg: int, block_size: int = 16, rows: int = 64,
+                       consumer_regs: int = 200, direct: bool = False) -> Dict[str, int]:
+    """ptxas' numbers (sm_90) of the Gluon partition kernel (gluon_decode.py) as the launcher builds it: for the
+    GQA 16 x 4-row decode (``rows`` 64), or for prefill chunks of 32 rows x GQA 4 (``rows`` 128: two consumer
+    warpgroups; ``direct``: one partition per chunk, the output written by the kernel, with sinks)."""
+    from .gluon_decode import gluon_partition_kernel
+
+    types = {n: "*fp32" for n in ("p_ks", "p_vs", "p_ws_m", "p_ws_l", "p_ws_acc", "p_sinks")}
+    types.update(p_q="*bf16", p_out="*bf16", p_kc="*fp8e4nv", p_vc="*fp8e4nv", p_bt="*i32", p_cl="*i32",
+                 p_chunks="*i32", softmax_scale="fp32")
+    types.update({n: "i32" for n in ("P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt",
+                                     "stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stride_kc_b",
+                                     "stride_kc_h", "stride_kc_c", "stride_kc_t", "stride_vc_b", "stride_vc_h",
+                                     "stride_vc_2", "stride_bt_s", "stride_cl")})
+    ce = dict(HKV=1, G=16, QL=4, BM=64, D=128, BS=block_size, BT=64, ALIGN=max(64, block_size), NBUF=slots,
+              PRODUCER_REGS=producer_regs, RAGGED=False, DIRECT=direct, CONSUMER_REGS=consumer_regs,
+              HAS_SINKS=direct)
+    if rows == 128:
+        ce.update(HKV=8, G=4, QL=32, BM=128, RAGGED=True)
+    elif rows != 64:
+        raise ValueError(f"rows={rows}: expected 64 or 128")
+    return _ptxas_report(gluon_partition_kernel, types, ce, [n for n in types if n.startswith(("p_", "stride_"))],
+                         num_warps=4, maxnreg=maxnreg or None)
