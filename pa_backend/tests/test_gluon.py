@@ -13,6 +13,7 @@ from backend_core import platform
 from backend_core.aot import run_report_script
 from pa_backend.cases import make_pa_case
 
+from .test_gpu import assert_replay_matches_eager
 from .test_triton import check
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -152,20 +153,7 @@ def test_gluon_two_kv_heads_and_sinks_gpu(gluon_on):
 def test_gluon_graph_replay_with_new_context_lengths_gpu(gluon_on):
     case = make_pa_case([100, 2000, 37], query_length=4, Hq=16, Hkv=1, D=128, block_size=16, extra_table=200,
                         device="cuda")
-    kw = dict(case.kwargs)
-    case.call("triton")  # compile outside the capture
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        case.call("triton")
-    for lens in ([100, 2000, 37], [5, 3000, 4], [2100, 4, 640]):
-        kw["context_lengths"].copy_(torch.tensor(lens, dtype=torch.int32))
-        kw["out"].fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        graphed = kw["out"].clone()
-        eager = case.call("triton", out=torch.full_like(kw["out"], float("nan")))
-        assert torch.equal(graphed.view(torch.int16), eager.view(torch.int16)), lens
+    assert_replay_matches_eager(case, ([100, 2000, 37], [5, 3000, 4], [2100, 4, 640]))
     assert gluon_on
 
 
