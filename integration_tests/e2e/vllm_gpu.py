@@ -167,6 +167,13 @@ def prepare() -> None:
     inspect_models_in_process()
 
 
+def _original_run_in_subprocess(registry):
+    """vLLM's own ``registry._run_in_subprocess`` (kept on the module the first time it is replaced)."""
+    if "_flydsl_original_run" not in registry.__dict__:
+        registry._flydsl_original_run = registry._run_in_subprocess
+    return registry._flydsl_original_run
+
+
 def inspect_models_in_process() -> None:
     """vLLM inspects a model class in a fresh ``python -m vllm.model_executor.models.registry``
     process (to keep CUDA uninitialized in the parent); that process has none of the stand-ins
@@ -174,7 +181,35 @@ def inspect_models_in_process() -> None:
     (VLLM_ENABLE_V1_MULTIPROCESSING=0) nothing forks after CUDA starts: inspect in this process."""
     from vllm.model_executor.models import registry
 
+    _original_run_in_subprocess(registry)
     registry._run_in_subprocess = lambda fn: fn()
+
+
+SUBPROCESS_MARK = "flydsl-e2e: the model-inspection subprocess failed"
+
+
+def inspect_models_in_subprocess() -> None:
+    """For ``vllm serve``'s API server, whose engine core runs in another process: inspect a model class in a
+    fresh process as vLLM does, so that importing the model's modules cannot initialise CUDA here (vLLM would
+    then spawn the engine core, which cannot unpickle FLYDSL). The process is
+    ``integration_tests.e2e.vllm_registry_subprocess``: vLLM's inspection entry point with the stand-ins
+    installed first. Should it fail, the inspection runs in this process after all, and stderr says so
+    (``SUBPROCESS_MARK`` and the subprocess's last output)."""
+    from vllm.model_executor.models import registry
+
+    original = _original_run_in_subprocess(registry)
+    registry._SUBPROCESS_COMMAND = [sys.executable, "-m", "integration_tests.e2e.vllm_registry_subprocess"]
+
+    def run(fn):
+        try:
+            return original(fn)
+        except RuntimeError as e:
+            tail = str(e)[-800:].replace("\n", " | ")
+            sys.stderr.write(f"{SUBPROCESS_MARK}, inspecting in this process: {tail}\n")
+            sys.stderr.flush()
+            return fn()
+
+    registry._run_in_subprocess = run
 
 
 def serve_args(mode: str = "eager") -> list:

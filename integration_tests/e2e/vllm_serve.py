@@ -50,6 +50,10 @@ def _prepare_process() -> None:
         from integration_tests.e2e import vllm_gpu
 
         vllm_gpu.prepare()
+        if __name__ != "__mp_main__":
+            # the API server (not the spawned engine core, whose module is __mp_main__): model inspection in a
+            # subprocess, as in a real `vllm serve`, so it cannot initialise CUDA here
+            vllm_gpu.inspect_models_in_subprocess()
     else:
         from integration_tests.e2e import vllm_cpu
 
