@@ -2,8 +2,8 @@
 
 The kernel now lives in pa_backend/triton/gluon_decode.py (opt-in: FLYDSL_BACKENDS_PA_GLUON=1 / all); this probe
 launches it with other ring depths and register splits beside the Triton kernel. First run: H100, 2026-12-06
-(gluon_H100_2026-12-06.txt): correct in every case; the ql 4 decode 1.03x at the 200k target, 1.06-1.21x on
-shorter batches; prefill 0.94-1.05x.
+(gluon_H100_2026-12-06.txt): correct in every case; the ql 4 decode 1.03x at the 200k target, 1.06-1.20x on
+shorter batches at the shipped ring depth (4); prefill 0.98-1.05x at depth 4 (0.94-1.05x at 3).
 
 Question (benchmarks/NOTES.md, fifteenth session): the ql 4 decode (B=200, 200k context, Hq=16, Hkv=1, D=128,
 page 16, per-tensor scales, 128k tables) runs at ~41% of the copy bandwidth on the H200 with the shipped

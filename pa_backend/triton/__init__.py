@@ -423,7 +423,7 @@ def _reduce(L: "_Launch", bound, sinks, p: PAProblem):
 # the Gluon kernel's ring slots, its producer warp's registers and the launch's register cap (gluon_decode.py);
 # 128-row items (two consumer warpgroups): the same slots and producer, a cap of 168 and 200 per consumer
 GLUON_SLOTS, GLUON_PRODUCER_REGS, GLUON_MAXNREG = 4, 72, 128
-GLUON_SLOTS_128, GLUON_MAXNREG_128, GLUON_CONSUMER_REGS = 3, 168, 200
+GLUON_SLOTS_128, GLUON_MAXNREG_128, GLUON_CONSUMER_REGS = 4, 168, 200
 GLUON_PREFILL_M = 128
 
 
@@ -441,13 +441,13 @@ def gluon_ws(p: PAProblem, L: "_Launch") -> bool:
     Hopper (sm_90: wgmma; not in Triton's interpreter), decode programs of 64 rows launched on a grid with a
     reduce (P > 1; FLYDSL_BACKENDS_PA_GLUON=1), and prefill items of 128 rows too (=all): ``gluon_eligible``.
     Opt-in. H100 (benchmarks/pa_probe/gluon_H100_2026-12-06.txt, CUDA-graph replay against the Triton kernel in
-    the same run): the ql 4 decode 1.03x at B=200 / 200k and 1.06-1.21x at B=5-64 with 70-8192 tokens; prefill
-    at 128 rows 0.94-0.98x the Triton kernel's 256-row items on the bench's long cases, 1.04-1.05x on shorter
-    ones. Not timed on an H200. It launches through Triton's ``kernel[grid]`` at every layer (no bound launch:
-    more host time per layer in eager steps; none under CUDA graphs). Each layer is checked again
+    the same run; ring depth 4): the ql 4 decode 1.03x at B=200 / 200k and 1.06-1.20x at B=5-64 with 70-8192
+    tokens; prefill at 128 rows 0.98-0.99x the Triton kernel's 256-row items on the bench's long cases,
+    1.02-1.05x on shorter ones. Not timed on an H200. It launches through Triton's ``kernel[grid]`` at every layer
+    (no bound launch: more host time per layer in eager steps; none under CUDA graphs). Each layer is checked again
     (``gluon_covers``): the launch state is made from a plan's first layer, and a later one may have a sliding
-    window (models that alternate them), other scales, another cache layout or alignment; such a layer takes
-    the Triton kernel."""
+    window (models that alternate them), other scales, another cache layout or alignment; such a layer takes the
+    Triton kernel."""
     mode = gluon_mode()
     return (mode == "all" or (mode == "decode" and p.is_decode)) and gluon_eligible(p, L)
 

@@ -27,12 +27,12 @@
 # SM); inside the specialized region the consumer gets ~184 (setmaxnreg), the producer 72. 128 rows: 12 warps
 # with the padding, a cap of 168 (one CTA per SM), consumers 200-232, producer 72.
 # Shared memory: NBUF x 16 KB ring, 16 KB FP16 V and 16 KB query per consumer: 96 KB at NBUF 4 with one
-# consumer (two CTAs per SM), 112 KB at NBUF 3 with two.
+# consumer (two CTAs per SM), 128 KB at NBUF 4 with two (one CTA per SM).
 # Chosen by FLYDSL_BACKENDS_PA_GLUON=1 (decode) / all (and prefill): pa_backend/triton/__init__.py gluon_ws.
 # Measured on an H100 (benchmarks/pa_probe/gluon_H100_2026-12-06.txt; the GPU tests in
 # pa_backend/tests/test_gluon.py passed there): the ql 4 decode 1.03x the Triton kernel at B=200 / 200k
-# (57.8% of the copy bandwidth), 1.06-1.21x on shorter batches; prefill 0.94-1.05x. ncu at the 200k case:
-# L2 throughput 87% with DRAM at 52% and an L2 hit rate of 57%, 16 warps per SM (two CTAs: registers and
+# (57.8% of the copy bandwidth), 1.06-1.20x on shorter batches; prefill 0.98-1.05x (ring depth 4). ncu at the
+# 200k case: L2 throughput 87% with DRAM at 52% and an L2 hit rate of 57%, 16 warps per SM (two CTAs: registers and
 # shared memory), stalls mostly at CTA barriers (41%) and shared-memory scoreboards (31%): L2 traffic at 1.7x
 # the DRAM bytes, not the consumer's chain, looks like the limit now (not yet explained). Each page's K and V
 # slices are 2 KB contiguous, and K's x-packed page appears to be wgmma's unswizzled K-major layout already
