@@ -33,11 +33,10 @@
 # pa_backend/tests/test_gluon.py passed there): the ql 4 decode 1.03x the Triton kernel at B=200 / 200k
 # (57.8% of the copy bandwidth), 1.06-1.20x on shorter batches; prefill 0.98-1.05x (ring depth 4). ncu at the
 # 200k case: L2 throughput 87% with DRAM at 52% and an L2 hit rate of 57%, 16 warps per SM (two CTAs: registers and
-# shared memory), stalls mostly at CTA barriers (41%) and shared-memory scoreboards (31%): L2 traffic at 1.7x
-# the DRAM bytes, not the consumer's chain, looks like the limit now (not yet explained). Each page's K and V
-# slices are 2 KB contiguous, and K's x-packed page appears to be wgmma's unswizzled K-major layout already
-# (8 tokens x 16 bytes per core matrix): bulk copies of whole pages (cp.async.bulk / TMA) are the next lever
-# to try.
+# shared memory), stalls mostly at CTA barriers (41%) and shared-memory scoreboards (31%). A CTA takes ~2.5 us
+# per tile where its dots, exp2 and copies need a fraction of that: what limits it is not settled (leads in
+# benchmarks/NOTES.md: one block-id load per page instead of per token, one barrier per tile, bulk copies of whole
+# 2 KB pages; K's x-packed page appears to be wgmma's unswizzled K-major layout already).
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
