@@ -52,15 +52,12 @@ def launch(p, L, nbuf: int = 4, producer_regs: int = 72, consumer_regs: int = 20
     """The Gluon partition kernel of checked problem ``p`` with the shipped launch state ``L``
     (pa_backend.triton.launch_state), then the shipped reduce (none when L.direct: one partition per item,
     the kernel writes the output rows)."""
-    from pa_backend.triton import _aligned16, _run_gluon
-    c = p.cache
-    kc, vc = c.key_cache, c.value_cache
-    if not (L.qk8 and _aligned16(kc, vc)):  # e4m3fn caches, 16-byte strides: what the copies' hints declare
-        raise ValueError("the Gluon probe needs the QK8 path's caches (e4m3fn, 16-byte aligned strides)")
-    if not (L.BM in (64, 128) and L.D == 128 and c.block_size == 16 and not c.v_transposed and not c.k_per_token
-            and not c.v_per_token and p.sliding_window == 0 and not L.queue_mode):
-        raise ValueError("the Gluon probe covers M 64 / 128, D 128, 16-token pages, 4-D V, per-tensor scales, "
-                         "no window, grid launches")
+    from pa_backend.triton import _run_gluon, gluon_covers, gluon_device
+    if not (gluon_device(p.device) and gluon_covers(p) and L.BM in (64, 128) and L.qk8 and not L.queue_mode):
+        raise ValueError("the Gluon probe covers what the backend's Gluon path does (gluon_covers: D 128, e4m3fn "
+                         "caches with 16-byte strides, 16-token pages, 4-D V, per-tensor scales, no window), 64- "
+                         "and 128-row items, grid launches")
+    # what _run_attention does before it
     if L.zero_rows is not None:
         p.out[:L.zero_rows[0]].zero_()
         p.out[L.zero_rows[1]:].zero_()

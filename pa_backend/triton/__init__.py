@@ -463,13 +463,19 @@ def gluon_available() -> bool:
     return True
 
 
+def gluon_device(device: torch.device) -> bool:
+    """An sm_90 GPU (wgmma; not Triton's interpreter) with a Triton that has Gluon's Hopper ops: fixed for a
+    launch state, checked when it is made (gluon_eligible, gluon_prefill)."""
+    return (device.type == "cuda" and _v_maxnum(device) and platform.device_info(device).sm_version == 90
+            and gluon_available())
+
+
 def gluon_covers(p: PAProblem, window: bool = True) -> bool:
-    """What the Gluon kernel covers of a layer: D 128 on the FP8 Q.K path (e4m3fn caches with 16-byte strides),
-    16-token pages (larger ones spill 8 bytes), the 4-D value layout, per-tensor scales, no sliding window
-    (``window=False``: whatever the window), on an sm_90 GPU."""
+    """What the Gluon kernel covers of a layer on a ``gluon_device``: D 128 on the FP8 Q.K path (e4m3fn caches
+    with 16-byte strides), 16-token pages (larger ones spill 8 bytes), the 4-D value layout, per-tensor scales,
+    no sliding window (``window=False``: whatever the window). Checked for every layer of a plan made for it."""
     c = p.cache
-    return (p.device.type == "cuda" and _v_maxnum(p.device) and platform.device_info(p.device).sm_version == 90
-            and gluon_available() and c.D == 128 and fp8_qk(p.device, c, 128) and _aligned16(c.key_cache, c.value_cache)
+    return (c.D == 128 and fp8_qk(p.device, c, 128) and _aligned16(c.key_cache, c.value_cache)
             and c.block_size == 16 and not c.v_transposed and not c.k_per_token and not c.v_per_token
             and (p.sliding_window == 0 or not window))
 
@@ -478,13 +484,13 @@ def gluon_prefill(p: PAProblem) -> bool:
     """Whether the prefill launch state of ``p`` is made for the Gluon kernel: items of GLUON_PREFILL_M rows
     instead of prefill_tiling's (FLYDSL_BACKENDS_PA_PREFILL_M does not apply then). Decided on the plan's first
     layer, whatever its window (a model's first layer may have one where most do not)."""
-    return not p.is_decode and gluon_mode() == "all" and gluon_covers(p, window=False)
+    return not p.is_decode and gluon_mode() == "all" and gluon_device(p.device) and gluon_covers(p, window=False)
 
 
 def gluon_eligible(p: PAProblem, L: "_Launch") -> bool:
     """Whether launch state ``L`` suits the Gluon kernel (gluon_ws's conditions but the switch and the layer's)."""
     rows_ok = (L.BM == 64 and not L.direct) if p.is_decode else L.BM == GLUON_PREFILL_M
-    return gluon_covers(p, window=False) and rows_ok and L.qk8 and not L.queue_mode
+    return gluon_device(p.device) and gluon_covers(p, window=False) and rows_ok and L.qk8 and not L.queue_mode
 
 
 def _run_gluon(L: "_Launch", sinks, p: PAProblem, slots: Optional[int] = None,
