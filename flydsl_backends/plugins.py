@@ -10,8 +10,9 @@
   naming a working one.
 
 * ``register_vllm()`` — entry point group ``vllm.general_plugins`` (vLLM 0.33 calls it once in every
-  process: CLI, engine core, workers). It registers ``FLYDSL`` (``--attention-backend FLYDSL``) and
-  the spawn-safe ``CUSTOM`` slot for ``pa_backend.vllm.FlyDSLAttentionBackend``, and the KDA layer
+  process: CLI, engine core, workers). It registers ``FLYDSL`` (``--attention-backend FLYDSL``; the
+  member unpickles in spawned processes before their plugins load, see ``vllm_flydsl_member``) and
+  the ``CUSTOM`` slot for ``pa_backend.vllm.FlyDSLAttentionBackend``, and the KDA layer
   hooks (``PluggableLayer.register_oot``), which run our decode only when the user opts in with
   ``--additional-config '{"flydsl_kda": true}'``.
 
@@ -105,6 +106,31 @@ def register_sglang() -> None:
 
 
 VLLM_BACKEND_PATH = "pa_backend.vllm.FlyDSLAttentionBackend"
+VLLM_BACKEND_NAME = "FLYDSL"  # the member vLLM's AttentionBackendEnum gets (pa_backend.vllm.BACKEND_NAME)
+
+
+def vllm_flydsl_member():
+    """vLLM's ``AttentionBackendEnum.FLYDSL``, added to the enum (``register_backend("FLYDSL", ...)``) if
+    this process does not have it yet. Idempotent.
+
+    A member added at run time pickles as ``AttentionBackendEnum(<class path>)``, and vLLM 0.33 unpickles
+    the engine config in every spawned process (``vllm serve``'s CLI always spawns the engine core;
+    multiproc workers under Ray, ``--numa-bind``, ...) before it loads the general plugins, so that
+    lookup would fail there ("... is not a valid AttentionBackendEnum"). The member therefore pickles as
+    a call of this function, which adds it in the unpickling process first."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    member = AttentionBackendEnum.__members__.get(VLLM_BACKEND_NAME)
+    if member is None:
+        register_backend(VLLM_BACKEND_NAME, VLLM_BACKEND_PATH)
+        member = AttentionBackendEnum[VLLM_BACKEND_NAME]
+    # an instance attribute: pickle (and cloudpickle) look __reduce_ex__ up on the object
+    member.__reduce_ex__ = _reduce_vllm_flydsl_member
+    return member
+
+
+def _reduce_vllm_flydsl_member(protocol):
+    return vllm_flydsl_member, ()
 
 
 def register_vllm() -> None:
@@ -113,10 +139,8 @@ def register_vllm() -> None:
         return
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    if "FLYDSL" not in AttentionBackendEnum.__members__:
-        register_backend("FLYDSL", VLLM_BACKEND_PATH)
-    # CUSTOM unpickles by value in spawned workers (a dynamic member does not); the class still reports
-    # get_name() == "FLYDSL", which this function has registered in that process too
+    vllm_flydsl_member()
+    # the same class in vLLM's placeholder slot; the class reports get_name() == "FLYDSL" either way
     register_backend(AttentionBackendEnum.CUSTOM, VLLM_BACKEND_PATH)
     import kda_backend.vllm as kda_vllm
 

@@ -1,4 +1,4 @@
-"""vLLM 0.33.0 adapter: ``--attention-backend FLYDSL`` (or the spawn-safe ``CUSTOM``) for MHA/GQA models
+"""vLLM 0.33.0 adapter: ``--attention-backend FLYDSL`` (or ``CUSTOM``) for MHA/GQA models
 over an FP8 paged KV cache.
 
 An adapter only: it turns vLLM's ``CommonAttentionMetadata`` and KV-cache view into the arguments of

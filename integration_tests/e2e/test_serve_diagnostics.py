@@ -1,5 +1,5 @@
 """What a failed server start tells: the key lines of the whole log, and on a GPU where the API server's process
-first initialised CUDA (the cause of a spawned vLLM engine core, which cannot unpickle FLYDSL); and that the
+first initialised CUDA (a CUDA context there holds GPU memory the engine core needs); and that the
 harness's vLLM API server inspects model classes in a subprocess, as vLLM does, so the inspection's imports cannot
 initialise CUDA there (the last test needs vLLM)."""
 

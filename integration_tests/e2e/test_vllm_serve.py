@@ -1,9 +1,9 @@
 """``vllm serve`` (vLLM 0.33's OpenAI API server) with the flydsl backend and an FP8 KV cache (issue 16
-item 1), on CPU (CI) or on an NVIDIA GPU (``benchmarks/device_run.sh serve-vllm``). The backend's name is
-the one a user would give there: ``CUSTOM`` on CPU, whose platform always spawns the engine core (a
-spawned process cannot unpickle the plugin's ``FLYDSL`` member before its plugins load), ``FLYDSL`` on
-a GPU (the engine core is forked unless something initialised CUDA in the API server: the log is
-checked for that).
+item 1), on CPU (CI) or on an NVIDIA GPU (``benchmarks/device_run.sh serve-vllm``), with the backend named
+as a user names it: ``--attention-backend FLYDSL``. vLLM's CLI always spawns the engine core, which
+unpickles the config before its plugins load (the plugin's member survives that:
+``flydsl_backends.plugins.vllm_flydsl_member``). On a GPU the log is also checked for CUDA initialised in
+the API server's process (the plugin once did that at import).
 
 The server runs as a subprocess (``python -m integration_tests.e2e.vllm_serve``: ``vllm serve``'s
 own command line, plus the extension stand-ins in the API-server and engine-core processes: the
@@ -62,7 +62,7 @@ class Server(ServerProcess):
             device_args = ["--enforce-eager", "-cc", '{"custom_ops": ["none"]}']
         cmd = [sys.executable, "-m", "integration_tests.e2e.vllm_serve", self.model,
                "--host", "127.0.0.1", "--port", str(self.port),
-               "--attention-backend", "FLYDSL" if on_cuda() else "CUSTOM",
+               "--attention-backend", "FLYDSL",
                "--kv-cache-dtype", "fp8", "--block-size", "16",
                "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "8",
                "--kv-cache-memory-bytes", str(256 << 20), "--seed", "0", *device_args]
@@ -133,8 +133,8 @@ def test_completions_follow_the_kv_and_match_hf(server, model_dir):
                      log), log[-4000:]
     if on_cuda():
         # nothing in the API server's process initialised CUDA (the plugin once did, by importing a KDA layer
-        # module): vLLM would then spawn the engine core, where a real `vllm serve` cannot unpickle FLYDSL
-        # (the server would not have started; the failure names the caller: vllm_serve.trace_cuda_init)
+        # module; a CUDA context there holds GPU memory the engine core needs): vllm_serve.trace_cuda_init
+        # names the caller
         assert "Reasons: CUDA is initialized" not in log and "flydsl-e2e: CUDA initialised" not in log, \
             server.failure_text(2000)
 

@@ -190,8 +190,8 @@ SUBPROCESS_MARK = "flydsl-e2e: the model-inspection subprocess failed"
 
 def inspect_models_in_subprocess() -> None:
     """For ``vllm serve``'s API server, whose engine core runs in another process: inspect a model class in a
-    fresh process as vLLM does, so that importing the model's modules cannot initialise CUDA here (vLLM would
-    then spawn the engine core, which cannot unpickle FLYDSL). The process is
+    fresh process as vLLM does, so that importing the model's modules cannot initialise CUDA here (a CUDA
+    context in the API server holds GPU memory the engine core needs). The process is
     ``integration_tests.e2e.vllm_registry_subprocess``: vLLM's inspection entry point with the stand-ins
     installed first. Should it fail, the inspection runs in this process after all, and stderr says so
     (``SUBPROCESS_MARK`` and the subprocess's last output)."""

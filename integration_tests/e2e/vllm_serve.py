@@ -10,23 +10,21 @@ would run it. ``FLYDSL_E2E_CUDA=1``: the GPU stand-ins of ``vllm_gpu`` (the CUDA
 cannot load on the device image) instead of ``vllm_cpu``'s CPU ones; the engine arguments that keep
 every op on its native path come from ``vllm_gpu.serve_args``.
 
-vLLM's OpenAI server always runs the engine core in a separate process, and the CPU platform
-starts it with ``spawn``. A spawned child imports the parent's main module under the name
-``__mp_main__`` before it unpickles its arguments, so this module's top level is where the child
-gets what ``prepare()`` supplies (the extension stand-ins, the platform honouring the named
-backend); a forked child inherits them. The plugins are left to vLLM, as in a real ``vllm serve``:
-its CLI loads them in the API server, and the engine core loads them after it has unpickled its
-config. So a spawned engine core fails on ``--attention-backend FLYDSL`` (a member the plugin adds)
-exactly as a user's would, and takes ``CUSTOM``. Nothing happens on a plain ``import`` of this
-module.
+vLLM's OpenAI server always runs the engine core in a separate process, and its CLI starts it with
+``spawn`` (``cli_env_setup``; the CPU platform insists on it too). A spawned child imports the
+parent's main module under the name ``__mp_main__`` before it unpickles its arguments, so this
+module's top level is where the child gets what ``prepare()`` supplies (the extension stand-ins, the
+platform honouring the named backend). The plugins are left to vLLM, as in a real ``vllm serve``: its
+CLI loads them in the API server, and the engine core loads them after it has unpickled its config
+(which the plugin's ``FLYDSL`` member survives: ``flydsl_backends.plugins.vllm_flydsl_member``).
+Nothing happens on a plain ``import`` of this module.
 
 The ``flydsl_backends`` loggers print to stderr at INFO in both processes, so the server log shows
 the plugin registering and which implementation the paged-attention calls chose.
 
 On a GPU (``FLYDSL_E2E_CUDA=1``) the API server's process records where torch first initialises CUDA
-(``trace_cuda_init``): vLLM then spawns the engine core instead of forking it, and a spawned engine core
-cannot unpickle ``FLYDSL``; the log line ``flydsl-e2e: CUDA initialised in the API server`` names the
-caller.
+(``trace_cuda_init``; nothing there should: a CUDA context in the API server holds GPU memory the
+engine core needs); the log line ``flydsl-e2e: CUDA initialised in the API server`` names the caller.
 """
 
 from __future__ import annotations
