@@ -127,14 +127,9 @@ for step in $steps; do
     host-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" VLLM_TARGET_DEVICE=cpu python3 -m integration_tests.vllm.host_time 1000 --gpu ${HOST_TIME_ARGS:-}) ;;
     host-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m integration_tests.sglang.host_time 1000 --gpu ${HOST_TIME_ARGS:-}) ;;
     profile-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 benchmarks/pa_probe/engine_step_profile.py) ;;
-    # the small-work split (benchmarks/pa_probe/small_work_split.patch, not on main): applied to this copy of the
-    # tree (later steps of the same call run with it), then its checks: the GPU suites of the paged decode, the
-    # partition floors' probe and the decode rows it must not slow (B=81/8k, B=200/32k, B=32/2k; without it on an H100:
-    # 95.5 / 717.6 us, logs-2026-12-05c-h100/probe_q1.txt)
-    small-work) cmd=(bash -c "git apply benchmarks/pa_probe/small_work_split.patch && echo applied &&
-                     python3 -m pytest -q -m gpu pa_backend/tests/test_plan.py pa_backend/tests/test_gpu.py
-                       backend_core/tests/test_launch.py -p no:cacheprovider -x &&
-                     PROBE_CASES=small PROBE_VARIANTS=tree python3 benchmarks/pa_probe/short_probe.py 60 &&
+    # the small-work split's checks (pa_backend/planner.py SHORT_TASKS_PER_SM): the partition floors' probe and the
+    # decode rows it must not slow (B=81/8k, B=200/32k, B=32/2k)
+    small-work) cmd=(bash -c "PROBE_CASES=small PROBE_VARIANTS=tree python3 benchmarks/pa_probe/short_probe.py 60 &&
                      PROBE_SETTINGS=default PROBE_CONFIGS=0,1,3 python3 benchmarks/pa_probe/warps_probe.py 120") ;;
     # the Gluon kernel in the Triton backend (opt-in, FLYDSL_BACKENDS_PA_GLUON=1 / all): its CPU and GPU tests, then
     # the bench with it on for decode and prefill (the ql 4 decode row and the prefill rows take it)

@@ -19,6 +19,7 @@ decode step allocates. A call that needs more grows it; a buffer that was outgro
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -43,38 +44,58 @@ MAX_PROGRAMS_PER_SM = 32
 MAX_FEW_PROGRAMS_PER_SM = 16
 MIN_PARTITION_TOKENS = 256
 LONG_PARTITION_TOKENS = 1024
+# Small work (few items x KV heads): partitions may be shorter than MIN_PARTITION_TOKENS (about sqrt(8 x
+# span) tokens) while the tasks stay at most this many per SM. H100, 8 layers per graph, 128k tables
+# (benchmarks/pa_probe/short_probe.py, PROBE_CASES=small): 16 sequences x 2 KV heads at 128 / 512 / 2048
+# tokens ran 14.5 / 20.5 / 24.9 us per layer with the 256-token floor and 11.5 / 14.7 / 22.9 us with
+# 32 / 64 / 128-token partitions; a lower floor everywhere lost up to 75% (4 x 2 at 8k: 29.8 -> 52.0 us) and
+# 5-7% where the work was larger (64 x 8 at 512 tokens: 46.4 -> 49.2 us). This rule, against the 256-token floor
+# (H100, 2026-12-06, benchmarks/results/gpu-tests/logs-2026-12-06b-h100/probe-short-small-*.txt): 1.04-1.34x at
+# 128-2048 tokens with 4-16 sequences x 2 KV heads (B=16 at 512 tokens: 20.2 -> 15.4 us), 0.94x at 4 x 2 and
+# 8k tokens (29.1 -> 31.1 us), within 2% on the larger rows; B=81/8k, B=200/32k, B=32/2k unchanged (warps-*.txt).
+SHORT_TASKS_PER_SM = 4
 MAX_PARTITIONS = 256
 
 
 @dataclass(frozen=True)
 class Split:
     """The split-K plan of one launch: the grid's P and the device-side rule's parameters (a
-    sequence with span tokens uses min(P, max(ceil(span / long), few), ceil(span / min))
-    partitions)."""
+    sequence with span tokens uses min(P, max(min(max(ceil(span / long), few), ceil(span / min)),
+    min(floor(sqrt(span // 8)), short))) partitions, at least one; ``short`` 1: the second term is
+    inert)."""
 
     P: int
     few: int
     min_tokens: int
     long_tokens: int
+    short: int = 1
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_partitions(num_items: int, Hkv: int, max_tokens: int, sms: int, requested: int = 0,
-                    programs_per_sm: int = PROGRAMS_PER_SM, few_per_sm: int = FEW_PROGRAMS_PER_SM) -> Split:
+                    programs_per_sm: int = PROGRAMS_PER_SM, few_per_sm: int = FEW_PROGRAMS_PER_SM,
+                    small_split: bool = True) -> Split:
     """The split of ``num_items`` sequences (or prefill chunks) of at most ``max_tokens`` visible
     tokens over ``sms`` SMs. ``requested`` (the caller's num_partitions hint) asks for that many
-    partitions per sequence wherever its context has enough tiles. P never decreases when
-    ``programs_per_sm`` or ``few_per_sm`` grows (``reserve`` relies on it)."""
+    partitions per sequence wherever its context has enough tiles. ``small_split``: where the work is
+    small, contexts under MIN_PARTITION_TOKENS split too (SHORT_TASKS_PER_SM); the launchers turn it
+    off for plans bounded by a max context (eager steps, where one partition per short sequence writes
+    its rows without a reduce launch). P never decreases when ``programs_per_sm`` or ``few_per_sm``
+    grows, nor when ``small_split`` is on (``reserve`` relies on it)."""
     work = max(num_items * Hkv, 1)
     sms = max(sms, 1)
     if requested:  # at most MAX_PARTITIONS (a larger hint would also overflow the kernels' split arithmetic)
         r = max(1, min(requested, MAX_PARTITIONS))
         return Split(r, r, 1, 1)
     few = -(-few_per_sm * sms // work)
+    short = max(1, SHORT_TASKS_PER_SM * sms // work) if small_split else 1
     target = -(-programs_per_sm * sms // work)
     target = min(target, max(-(-max_tokens // LONG_PARTITION_TOKENS), few))
     target = min(target, -(-max_tokens // MIN_PARTITION_TOKENS), MAX_PARTITIONS)
-    return Split(max(1, target), few, MIN_PARTITION_TOKENS, LONG_PARTITION_TOKENS)
+    # room for the small-work split of the longest span (the kernels' rule never exceeds P, so every table
+    # width that holds the contexts splits them alike)
+    target = min(max(target, min(math.isqrt(max(max_tokens, 0) // 8), short)), MAX_PARTITIONS)
+    return Split(max(1, target), few, MIN_PARTITION_TOKENS, LONG_PARTITION_TOKENS, short)
 
 
 def work_rows(G: int, QL: int) -> int:

@@ -42,7 +42,8 @@ def variant_source(name):
     if "exit" in name:
         src = _sub(src, "    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)\n    m_valid",
                    "    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)\n"
-                   "    lo0, pt0, n_live0 = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)\n"
+                   "    lo0, pt0, n_live0 = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, short_target,\n"
+                   "                                         ALIGN)\n"
                    "    if i_p >= n_live0:\n        return\n    m_valid")
     if "pfirst" in name:
         src = _sub(src, "    i_s = tl.program_id(0).to(tl.int64)\n    i_h = tl.program_id(1)\n    i_p = tl.program_id(2)\n"

@@ -356,7 +356,8 @@ def test_task_queue_is_reset_when_the_reduce_launch_fails(monkeypatch):
 def test_task_queue_only_for_shape_only_plans():
     """One-warp decode programs take the task queue when the plan's context bound is the table
     width (CUDA graphs, eager calls); a plan that knows its batch's max context keeps the grid (sized
-    to it); both give the same output."""
+    to it); both give the reference's output (not the same bytes: this small batch splits its short
+    contexts under the shape-only plan only, planner.plan_partitions' small_split)."""
     from pa_backend import plan_decode
 
     case = make_pa_case(**_queue_case(), device=DEVICE, seed=0)
@@ -368,7 +369,11 @@ def test_task_queue_only_for_shape_only_plans():
         outs.append(plan.run(**args, out=torch.full_like(kw["query"], float("nan"))))
         modes.append(next(iter(plan.state.values())).queue_mode)
     assert modes == [True, False]
-    assert torch.equal(outs[0], outs[1])
+    ref = torch.empty(kw["query"].shape, dtype=torch.float64, device=DEVICE)
+    kw.pop("out")
+    run_attention(dataclasses.replace(prepare_attention(**kw), out=ref), compute_dtype=torch.float64)
+    for out in outs:
+        assert ((out.double() - ref).norm() / ref.norm()).item() <= tolerance(DEVICE)
 
 
 @pytest.mark.parametrize("prefill", [False, True])

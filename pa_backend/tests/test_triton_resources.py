@@ -64,8 +64,8 @@ def test_batch_dependent_scalars_are_not_specialized():
     proc, rows = run_report_script(script, ROOT, timeout=300)
     assert rows is not None, proc.stderr[-3000:]
     part, red = rows
-    assert {"n_items", "P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt", "sliding_window"} <= set(part)
-    assert {"P", "few_target", "min_pt", "long_pt", "sliding_window"} <= set(red)
+    assert {"n_items", "P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt", "short_target", "sliding_window"} <= set(part)
+    assert {"P", "few_target", "min_pt", "long_pt", "short_target", "sliding_window"} <= set(red)
     assert not any(n.startswith("stride_") for n in part + red)
 
 

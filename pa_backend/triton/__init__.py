@@ -275,8 +275,11 @@ class _Launch:
         plan = p.plan
         if plan is not None and plan.max_context is not None:
             bound = min(bound, max(int(plan.max_context), 1))
+        # the small-work split for shape-only plans (CUDA graphs, eager calls without a bound); a plan bounded
+        # by its batch's max context keeps one partition per short sequence (written directly, no reduce)
         self.split = plan_partitions(self.items, c.Hkv, bound, platform.sm_count(p.device), p.num_partitions or 0,
-                                     *split_policy(self.warps))
+                                     *split_policy(self.warps),
+                                     small_split=plan is None or plan.max_context is None)
         self.ws = workspace(p.device, self.items, c.Hkv, self.split.P, self.BM, self.D) if self.items else None
         # one-warp decode programs of a shape-only plan (the table width bounds the context: CUDA graphs,
         # eager calls) take tasks from a device queue (pa_decode.py): such a grid carries programs past
@@ -360,7 +363,7 @@ def _run_attention(p: PAProblem) -> torch.Tensor:
         pa_decode_partition_kernel, grid, _PARTITION_VARY,
         p.query, kc, vc, ks, vs, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc, sinks, p.out, L.queue,
         L.items, sp.P, L.sms, p.softmax_scale, p.sliding_window, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens,
-        sp.long_tokens,
+        sp.long_tokens, sp.short,
         p.query.stride(0), p.query.stride(1), p.out.stride(0), p.out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2), vc.stride(3),
@@ -406,7 +409,7 @@ def _reduce(L: "_Launch", bound, sinks, p: PAProblem):
         return bind(
             pa_decode_reduce_kernel, (L.items, c.Hkv), _REDUCE_VARY,
             ws_m, ws_l, ws_acc, sinks, p.out, p.context_lengths, chunks, L.queue,
-            p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.P,
+            p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.short, sp.P,
             p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
             HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
             RAGGED=not p.is_decode, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots,
@@ -514,7 +517,7 @@ def _run_gluon(L: "_Launch", sinks, p: PAProblem, slots: Optional[int] = None,
     gluon_partition_kernel[(L.items, c.Hkv, sp.P)](
         p.query, kc, vc, c.key_scale, c.value_scale, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc,
         p.out, sinks, sp.P, p.softmax_scale, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens, sp.long_tokens,
-        p.query.stride(0), p.query.stride(1), p.out.stride(0), p.out.stride(1),
+        sp.short, p.query.stride(0), p.query.stride(1), p.out.stride(0), p.out.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
         vc.stride(0), vc.stride(1), vc.stride(2),
         p.block_tables.stride(0), p.context_lengths.stride(0),

@@ -66,10 +66,13 @@ def _rows(p_cl, stride_cl, p_chunks, i_s, QL: gl.constexpr, RAGGED: gl.constexpr
 
 
 @gluon.jit
-def _span(ctx, i_p, P, few_target, min_pt, long_pt, max_tokens, ALIGN: gl.constexpr):
+def _span(ctx, i_p, P, few_target, min_pt, long_pt, short_target, max_tokens, ALIGN: gl.constexpr):
     """(start, end, live partitions) of partition i_p of an item that sees ``ctx`` tokens: the shipped split
-    (pa_decode._partition_span without a window)."""
+    (pa_decode._partition_span without a window, the small-work term included: the shipped reduce reads
+    the partials of as many partitions as that rule gives)."""
     p_s = gl.minimum(gl.maximum(gl.cdiv(ctx, long_pt), few_target), gl.cdiv(ctx, min_pt))
+    p_short = gl.sqrt_rn((ctx // 8).to(gl.float32)).to(gl.int32)
+    p_s = gl.maximum(p_s, gl.minimum(p_short, short_target))
     p_s = gl.maximum(gl.minimum(p_s, P), 1)
     pt = gl.maximum(gl.cdiv(gl.cdiv(ctx, p_s), ALIGN) * ALIGN, ALIGN)
     n_live = gl.cdiv(ctx, pt)
@@ -230,10 +233,10 @@ def _consumer(p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los,
         gl.store(p_ws_acc + (ws + o_r)[:, None] * D + o_c[None, :], acc)
 
 
-@gluon.jit(do_not_specialize=("P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt"))
+@gluon.jit(do_not_specialize=("P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt", "short_target"))
 def gluon_partition_kernel(
     p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_out, p_sinks,
-    P, softmax_scale, max_tokens, num_blocks, few_target, min_pt, long_pt,
+    P, softmax_scale, max_tokens, num_blocks, few_target, min_pt, long_pt, short_target,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2,
@@ -250,7 +253,7 @@ def gluon_partition_kernel(
     i_h = gl.program_id(1)
     i_p = gl.program_id(2)
     seq, q0, nrows, ctx = _rows(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
-    start, end, n_live = _span(ctx, i_p, P, few_target, min_pt, long_pt, max_tokens, ALIGN)
+    start, end, n_live = _span(ctx, i_p, P, few_target, min_pt, long_pt, short_target, max_tokens, ALIGN)
     K_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     V_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
     V16_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)

@@ -7,7 +7,8 @@
 # the plan; the split itself is made on the device from the item's real context: the visible span
 # [lo, ctx) (lo > 0 only under a sliding window) is cut into P_s <= P partitions of PT_s tokens (a
 # multiple of ALIGN = max(BT, block size)), with P_s chosen per item like the planner does (enough
-# programs to fill the GPU, no partition shorter than MIN_PT, long ones preferred). Tasks p >= P_s do
+# programs to fill the GPU, no partition shorter than MIN_PT, long ones preferred; where the batch's work
+# is small, shorter ones of about sqrt(8 x span) tokens, a few tasks per SM at most). Tasks p >= P_s do
 # no work and the reduce reads only the P_s partials, so the work follows each sequence's context
 # whatever the block table's width, and a captured CUDA graph replays with any context lengths.
 # Two ways to launch the tasks (QUEUE):
@@ -113,15 +114,22 @@ def _rows_of(p_cl, stride_cl, p_chunks, i_s, QL: tl.constexpr, RAGGED: tl.conste
 
 
 @triton.jit
-def _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN: tl.constexpr):
+def _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, short_target, ALIGN: tl.constexpr):
     """(lo, PT, P_s) of one work item: its visible tokens [lo, ctx) cut into P_s partitions of PT
     tokens (the last one shorter). lo > 0 only under a sliding window (aligned down to ALIGN).
     P_s: at most the grid's P; enough partitions for ``few_target`` (fills the GPU at this batch
-    size), more only while they stay ``long_pt`` tokens long, never shorter than ``min_pt``."""
+    size), more only while they stay ``long_pt`` tokens long, never shorter than ``min_pt`` -- except
+    where the batch's work is small (few items x KV heads: ``short_target`` > 1, the planner's
+    SHORT_TASKS_PER_SM x SMs / work): there up to ``short_target`` partitions of about sqrt(8 x span)
+    tokens (32 at 128 tokens, 64 at 512, 128 at 2048), which shortens each task's serial tile chain
+    while the tasks stay few (H100, benchmarks/NOTES.md fifteenth session)."""
     lo = tl.where(sliding_window > 0, tl.maximum(ctx - nrows + 1 - sliding_window, 0), 0)
     lo = (lo // ALIGN) * ALIGN
     span = tl.maximum(ctx - lo, 0)
     p_s = tl.minimum(tl.maximum(tl.cdiv(span, long_pt), few_target), tl.cdiv(span, min_pt))
+    # floor(sqrt(span // 8)): IEEE sqrt, the same in the partition and the reduce kernel (exact below 2^24)
+    p_short = tl.sqrt_rn((span // 8).to(tl.float32)).to(tl.int32)
+    p_s = tl.maximum(p_s, tl.minimum(p_short, short_target))
     p_s = tl.maximum(tl.minimum(p_s, P), 1)
     pt = tl.cdiv(tl.cdiv(span, p_s), ALIGN) * ALIGN
     pt = tl.maximum(pt, ALIGN)
@@ -292,7 +300,7 @@ def _store_rows(b_m, b_l, b_acc, p_sinks, p_out, q0, row, grp, m_valid, i_h, str
 
 
 @triton.jit
-def _max_partitions(p_cl, stride_cl, n_items, nrows, sliding_window, P, few_target, min_pt, long_pt,
+def _max_partitions(p_cl, stride_cl, n_items, nrows, sliding_window, P, few_target, min_pt, long_pt, short_target,
                     ALIGN: tl.constexpr):
     """The most partitions any decode sequence of the batch splits into (<= P): the task space's
     partition bound, read from the context lengths on the device."""
@@ -300,7 +308,7 @@ def _max_partitions(p_cl, stride_cl, n_items, nrows, sliding_window, P, few_targ
     for i0 in tl.range(0, n_items, 128):
         o = i0 + tl.arange(0, 128)
         c = _clamped(tl.load(p_cl + o.to(tl.int64) * stride_cl, mask=o < n_items, other=0))
-        n = _partition_span(c, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)[2]
+        n = _partition_span(c, nrows, sliding_window, P, few_target, min_pt, long_pt, short_target, ALIGN)[2]
         most = tl.maximum(most, tl.max(n, 0))
     return most
 
@@ -308,7 +316,7 @@ def _max_partitions(p_cl, stride_cl, n_items, nrows, sliding_window, P, few_targ
 @triton.jit
 def _partition_task(
     i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out,
-    P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
+    P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt, short_target,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
@@ -341,7 +349,7 @@ def _partition_task(
     last = ctx - nrows + row  # row sees tokens first..last
     first = tl.where(sliding_window > 0, last - sliding_window + 1, 0)
 
-    lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
+    lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, short_target, ALIGN)
     live_p_ = i_p < n_live
     start = lo + i_p * pt
     end = tl.minimum(tl.minimum(start + pt, ctx), max_tokens)  # never past the table row
@@ -401,13 +409,13 @@ def _partition_task(
 # inside steps 200-600 of a steady decode run: benchmarks/pa_probe/README.md). Strides stay specialized
 # (their divisibility is what vectorizes the loads).
 BATCH_SCALARS = ("n_items", "P", "num_sms", "sliding_window", "max_tokens", "num_blocks", "few_target", "min_pt",
-                 "long_pt")
+                 "long_pt", "short_target")
 
 
 @triton.jit(do_not_specialize=BATCH_SCALARS)
 def pa_decode_partition_kernel(
     p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_queue,
-    n_items, P, num_sms, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
+    n_items, P, num_sms, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt, short_target,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
@@ -425,7 +433,7 @@ def pa_decode_partition_kernel(
         _partition_task(
             tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2),
             p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out,
-            P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
+            P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt, short_target,
             stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
             stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
             stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
@@ -433,7 +441,7 @@ def pa_decode_partition_kernel(
     else:
         # tasks (item, KV head, partition), partition-major from the highest partition down (the
         # long sequences' partitions first, the short ones' last), bounded by the batch's longest split
-        n_part = _max_partitions(p_cl, stride_cl, n_items, QL, sliding_window, P, few_target, min_pt, long_pt,
+        n_part = _max_partitions(p_cl, stride_cl, n_items, QL, sliding_window, P, few_target, min_pt, long_pt, short_target,
                                  ALIGN)
         per_part = n_items * HKV
         n_tasks = n_part * per_part
@@ -455,7 +463,7 @@ def pa_decode_partition_kernel(
             i_h = t % HKV
             _partition_task(
                 i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks,
-                p_out, P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
+                p_out, P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt, short_target,
                 stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
                 stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
                 stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
@@ -463,10 +471,10 @@ def pa_decode_partition_kernel(
             t = tl.atomic_add(p_queue, 1, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=("sliding_window", "few_target", "min_pt", "long_pt", "P"))
+@triton.jit(do_not_specialize=("sliding_window", "few_target", "min_pt", "long_pt", "short_target", "P"))
 def pa_decode_reduce_kernel(
     p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_cl, p_chunks, p_queue,
-    sliding_window, few_target, min_pt, long_pt, P,
+    sliding_window, few_target, min_pt, long_pt, short_target, P,
     stride_o_t, stride_o_h, stride_cl,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
     ALIGN: tl.constexpr, HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr,
@@ -480,7 +488,7 @@ def pa_decode_reduce_kernel(
     grp = o_m % G
     seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
     m_valid = (o_m < G * QL) & (row < nrows)
-    lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, ALIGN)
+    lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, short_target, ALIGN)
     base = (i_s * HKV + i_h) * P * BM
     if QUEUE:
         if (i_s == 0) & (i_h == 0):  # the partition kernel has drained the task queue: ready for the next launch

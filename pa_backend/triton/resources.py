@@ -32,8 +32,11 @@ SHIPPED_CONFIGS = [(D, bs, m, v5, pt) for D in (64, 128, 256) for bs in (16, 64,
 # The D=256 one-query programs with the 5-D V layout and per-token scales (128 registers; task and direct
 # launches): 4 bytes since context lengths are clamped where they are read (input safety; registers unchanged,
 # the spill is outside their tile loops; not timed on the GPU).
-SPILL_ALLOWED = {("prefill", 128, 256): 512, ("direct-prefill", 128, 256): 512, (128, 16, 16, False, False): 4,
-                 (128, 16, 16, True, True): 48, (256, 16, 16, True, True): 4,
+# The small-work split (fifteenth session: one more batch scalar, the sqrt rule in _partition_span) raised the
+# one-warp queue program's spills outside its tile loops from 4 to 40 bytes (48 -> 72 with the 5-D V layout and
+# per-token scales); none in the tile loops (hot_spills 0).
+SPILL_ALLOWED = {("prefill", 128, 256): 512, ("direct-prefill", 128, 256): 512, (128, 16, 16, False, False): 40,
+                 (128, 16, 16, True, True): 72, (256, 16, 16, True, True): 4,
                  ("direct", 256, 16, 1): 4}
 
 
@@ -85,7 +88,7 @@ def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks
         elif n == "softmax_scale":
             types[n] = "fp32"
         elif n.startswith("stride_") or n in ("sliding_window", "capacity", "max_tokens", "num_blocks", "few_target",
-                                              "min_pt", "long_pt", "P", "n_items", "num_sms"):
+                                              "short_target", "min_pt", "long_pt", "P", "n_items", "num_sms"):
             types[n] = "i32"
     # the launcher passes these flags as bools; Triton compiles some integer constexprs differently (with
     # V5D = K_PER_TOKEN = 1 the gfx950 D 256 decode program spilled 140 bytes, with True none)
@@ -148,7 +151,7 @@ def gluon_ptxas_report(slots: int, producer_regs: int, maxnreg: int, block_size:
     types = {n: "*fp32" for n in ("p_ks", "p_vs", "p_ws_m", "p_ws_l", "p_ws_acc", "p_sinks")}
     types.update(p_q="*bf16", p_out="*bf16", p_kc="*fp8e4nv", p_vc="*fp8e4nv", p_bt="*i32", p_cl="*i32",
                  p_chunks="*i32", softmax_scale="fp32")
-    types.update({n: "i32" for n in ("P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt",
+    types.update({n: "i32" for n in ("P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt", "short_target",
                                      "stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stride_kc_b",
                                      "stride_kc_h", "stride_kc_c", "stride_kc_t", "stride_vc_b", "stride_vc_h",
                                      "stride_vc_2", "stride_bt_s", "stride_cl")})
