@@ -114,18 +114,20 @@ def vllm_flydsl_member():
     this process does not have it yet. Idempotent.
 
     A member added at run time pickles as ``AttentionBackendEnum(<class path>)``, and vLLM 0.33 unpickles
-    the engine config in every spawned process (``vllm serve``'s CLI always spawns the engine core;
+    the engine config in every spawned process (``vllm serve``'s CLI spawns the engine core unless
+    ``VLLM_WORKER_MULTIPROC_METHOD`` says otherwise;
     multiproc workers under Ray, ``--numa-bind``, ...) before it loads the general plugins, so that
     lookup would fail there ("... is not a valid AttentionBackendEnum"). The member therefore pickles as
     a call of this function, which adds it in the unpickling process first."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    member = AttentionBackendEnum.__members__.get(VLLM_BACKEND_NAME)
-    if member is None:
-        register_backend(VLLM_BACKEND_NAME, VLLM_BACKEND_PATH)
-        member = AttentionBackendEnum[VLLM_BACKEND_NAME]
-    # an instance attribute: pickle (and cloudpickle) look __reduce_ex__ up on the object
-    member.__reduce_ex__ = _reduce_vllm_flydsl_member
+    with _lock:  # two threads unpickling at once would otherwise both add it (the second add raises)
+        member = AttentionBackendEnum.__members__.get(VLLM_BACKEND_NAME)
+        if member is None:
+            register_backend(VLLM_BACKEND_NAME, VLLM_BACKEND_PATH)
+            member = AttentionBackendEnum[VLLM_BACKEND_NAME]
+        # an instance attribute: pickle (and cloudpickle) look __reduce_ex__ up on the object
+        member.__reduce_ex__ = _reduce_vllm_flydsl_member
     return member
 
 

@@ -387,7 +387,8 @@ def install_layer_hooks() -> None:
     """What the vLLM plugin calls in every process: each layer's registration is made when vLLM itself
     first imports that layer's module (at once if it already has), never by importing it here. The
     Kimi-Linear layer module imports FLA's utilities, which query the GPU at import: imported by the
-    plugin in ``vllm serve``'s parent process, they initialised CUDA there, vLLM then spawned the engine
-    core, and the spawned process could not unpickle ``--attention-backend FLYDSL``."""
+    plugin, they would initialise CUDA in every process that loads it, ``vllm serve``'s API server
+    included (a context there holds GPU memory; under ``vllm.LLM`` it forces vLLM to spawn its engine
+    core)."""
     after_import(KIMI_LINEAR_MODULE, _on_kimi_linear_import)
     after_import(KIMI_K3_MODULE, _on_kimi_k3_import)

@@ -32,7 +32,8 @@ __all__ = ["Split", "plan_partitions", "work_rows", "workspace", "task_queue", "
 
 # Programs per SM the split-K aims for, and the partition lengths it prefers. Partitions shorter
 # than LONG_PARTITION_TOKENS are made only while there are fewer than ``few_per_sm`` programs per
-# SM, and none is shorter than MIN_PARTITION_TOKENS. The two targets follow the kernel's program
+# SM, and none is shorter than MIN_PARTITION_TOKENS except under the small-work split
+# (SHORT_TASKS_PER_SM below). The two targets follow the kernel's program
 # size (an implementation passes its own, e.g. pa_backend.triton.split_policy); these defaults are
 # the 4-warp Triton program's. H200 (benchmarks/pa_probe/variants_H200_2026-12-03.txt): 16
 # programs/SM beat 8 by 11% at B=200/32k and 25% at B=200/200k (more waves, smaller tail), while at

@@ -1,6 +1,6 @@
 """``vllm serve`` (vLLM 0.33's OpenAI API server) with the flydsl backend and an FP8 KV cache (issue 16
 item 1), on CPU (CI) or on an NVIDIA GPU (``benchmarks/device_run.sh serve-vllm``), with the backend named
-as a user names it: ``--attention-backend FLYDSL``. vLLM's CLI always spawns the engine core, which
+as a user names it: ``--attention-backend FLYDSL``. vLLM's CLI spawns the engine core (by default), which
 unpickles the config before its plugins load (the plugin's member survives that:
 ``flydsl_backends.plugins.vllm_flydsl_member``). On a GPU the log is also checked for CUDA initialised in
 the API server's process (the plugin once did that at import).

@@ -62,8 +62,8 @@ CUDA_INIT_MARK = "flydsl-e2e: CUDA initialised in the API server"
 
 
 def trace_cuda_init() -> None:
-    """From now on, the first initialisation of CUDA through torch in this process (not in its forked
-    children, whose engine core initialises it as it should) writes one line to
+    """From now on, the first initialisation of CUDA through torch in this process (not in a forked
+    child, whose engine core initialises it as it should) writes one line to
     stderr: ``CUDA_INIT_MARK``, then the Python stack that caused it (frames joined by " | "). torch's
     CUDA functions look ``_lazy_init`` up in ``torch.cuda``'s globals, where this wraps it."""
     import os
@@ -77,7 +77,7 @@ def trace_cuda_init() -> None:
     pid = os.getpid()
 
     def traced():
-        if not torch.cuda.is_initialized() and os.getpid() == pid:  # not in a forked engine core
+        if not torch.cuda.is_initialized() and os.getpid() == pid:  # not in a forked child
             frames = traceback.format_stack(limit=30)[:-1]
             stack = " | ".join(f.strip().replace("\n", " ") for f in frames)
             sys.stderr.write(f"{CUDA_INIT_MARK} at: {stack}\n")

@@ -34,8 +34,9 @@ for argv in cases:
 KERNELS = ("pa_backend.triton.pa_decode", "pa_backend.triton.write_kv", "kda_backend.triton.kda_decode",
            "kda_backend.flydsl.kernel", "flydsl")
 heavy = sorted(m for m in sys.modules if m in KERNELS or m.startswith("flydsl."))
-# modules whose import initialises the GPU (FLA's utilities query it): in vLLM's parent process that forces the
-# engine core to spawn (the plugin must register its KDA layer hooks without importing them)
+# modules whose import initialises the GPU (FLA's utilities query it): in vLLM's parent process a context holds GPU
+# memory there and forces a `vllm.LLM` engine core to spawn (the plugin must register its KDA layer hooks without
+# importing them)
 GPU_AT_IMPORT = ("vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn",
                  "vllm.third_party.flash_linear_attention.ops.utils")
 print(json.dumps({"results": results, "heavy_modules": heavy,

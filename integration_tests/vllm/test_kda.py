@@ -118,7 +118,7 @@ def _fresh_process(code: str):
 
 def test_plugin_registers_the_layer_when_vllm_imports_it():
     """The vLLM plugin imports no layer module at load (Kimi-Linear's pulls in FLA's utilities, which query
-    the GPU: in vllm serve's parent that forced the engine core to spawn); the hook is in place as soon as
+    the GPU: in vllm serve's parent that initialised CUDA there); the hook is in place as soon as
     vLLM imports the layer's module itself. A fresh process: the module is not imported yet."""
     code = ("import importlib, json, sys\n"
             "from flydsl_backends.plugins import register_vllm\n"

@@ -122,7 +122,7 @@ def test_spawned_process_resolves_custom(llama, tmp_path):
 
 
 def test_spawned_process_unpickles_flydsl(llama, tmp_path):
-    """`vllm serve`'s CLI always spawns the engine core, which unpickles the config before its plugins
+    """`vllm serve`'s CLI spawns the engine core by default, which unpickles the config before its plugins
     load: the plugin's FLYDSL member pickles as a call that adds it there first (vLLM's own dynamic
     members fail with "... is not a valid AttentionBackendEnum"), and it pickles on from there."""
     out = _run("unpickle_probe.py", str(_pickled_config(llama, tmp_path, "FLYDSL")))

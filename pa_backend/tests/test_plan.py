@@ -164,6 +164,24 @@ def test_small_work_splits_short_contexts():
     assert plan_partitions(4, 1, 4096, 132, requested=4).short == 1  # a requested split is taken as asked
 
 
+
+@pytest.mark.skipif(not REGISTRY.get("triton").is_available()[0], reason="triton is not installed")
+def test_small_work_split_is_for_shape_only_decode_plans():
+    """The Triton launches take the small-work split only in shape-only decode plans (measured there):
+    prefill's work items and plans bounded by a max context keep the 256-token floor (short == 1)."""
+    def shorts(plan, c):
+        kw = c.kwargs
+        plan.run(**{k: kw[k] for k in LAYER_ARGS})
+        return [st.split.short for st in plan.state.values()]
+
+    d, pf = decode_case(), prefill_case()
+    dk, pk = d.kwargs, pf.kwargs
+    assert shorts(plan_decode(dk["block_tables"], dk["context_lengths"], backend="triton"), d)[0] > 1
+    assert shorts(plan_decode(dk["block_tables"], dk["context_lengths"], max_context=130, backend="triton"), d) == [1]
+    assert shorts(plan_prefill(pk["block_tables"], pk["query_start_loc"], pk["context_lengths"],
+                               query_start_loc_host=pk["query_start_loc"].tolist(), backend="triton"), pf) == [1]
+
+
 # --- GPU: CUDA graphs and host syncs -------------------------------------------------------------
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
 @pytest.mark.gpu

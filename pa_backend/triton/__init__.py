@@ -275,11 +275,12 @@ class _Launch:
         plan = p.plan
         if plan is not None and plan.max_context is not None:
             bound = min(bound, max(int(plan.max_context), 1))
-        # the small-work split for shape-only plans (CUDA graphs, eager calls without a bound); a plan bounded
-        # by its batch's max context keeps one partition per short sequence (written directly, no reduce)
+        # the small-work split for shape-only decode plans (CUDA graphs, eager calls without a bound; measured on
+        # decode only, so prefill's items keep the 256-token floor); a plan bounded by its batch's max context
+        # keeps one partition per short sequence (written directly, no reduce)
         self.split = plan_partitions(self.items, c.Hkv, bound, platform.sm_count(p.device), p.num_partitions or 0,
                                      *split_policy(self.warps),
-                                     small_split=plan is None or plan.max_context is None)
+                                     small_split=p.is_decode and (plan is None or plan.max_context is None))
         self.ws = workspace(p.device, self.items, c.Hkv, self.split.P, self.BM, self.D) if self.items else None
         # one-warp decode programs of a shape-only plan (the table width bounds the context: CUDA graphs,
         # eager calls) take tasks from a device queue (pa_decode.py): such a grid carries programs past
