@@ -137,9 +137,12 @@ def _consumer(p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los,
               i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
               stride_q_t, stride_q_h, stride_o_t, stride_o_h,
               CI: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, QL: gl.constexpr, BM: gl.constexpr,
-              D: gl.constexpr, BT: gl.constexpr, NBUF: gl.constexpr, DIRECT: gl.constexpr, HAS_SINKS: gl.constexpr):
+              D: gl.constexpr, BT: gl.constexpr, NBUF: gl.constexpr, DIRECT: gl.constexpr, HAS_SINKS: gl.constexpr,
+              ASYNC_PV: gl.constexpr):
     """Consumer warpgroup CI: rows CI * 64 .. CI * 64 + 63 of the item's BM, over every tile of the partition;
-    then its partial into the workspace (DIRECT: its output rows)."""
+    then its partial into the workspace (DIRECT: its output rows). ``ASYNC_PV`` (a probe variant, not run on a
+    GPU yet): tile j's P.V is left in flight and waited for with tile j + 1's Q.K, so it runs while the warps
+    wait for the next slot, issue its Q.K and widen its V (v16 is rewritten only after that wait)."""
     MW: gl.constexpr = 64  # rows per consumer warpgroup (wgmma M 64 per warpgroup)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 32])
     O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
@@ -176,6 +179,12 @@ def _consumer(p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los,
     acc = gl.zeros([MW, D], gl.float32, O_L)
     zero_s = gl.zeros([MW, BT], gl.float32, S_L)
     n_tiles = gl.cdiv(end - start, BT)
+    if ASYNC_PV:  # acc is carried as an in-flight wgmma accumulator: start it with a zero product (v16 zeroed)
+        v16.store(gl.zeros([D, BT], gl.float16, VR))
+        fence_async_shared()
+        gl.thread_barrier()
+        p16 = gl.zeros([MW, BT], gl.float16, P_L)  # carried too: the in-flight P.V reads it from registers
+        acc = warpgroup_mma(p16, v16.permute((1, 0)), acc, use_acc=False, is_async=True)
     for j in range(n_tiles):
         s = j % NBUF
         mbarrier.wait(ready.index(s), (j // NBUF) & 1)
@@ -187,7 +196,10 @@ def _consumer(p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los,
         vt = v_ring.index(s).load(VR).to(gl.float16)
         if masked:  # NaN bytes of a live page's unused slots: maxNum returns the other operand
             vt = gl.maximum(vt, gl.full([D, BT], -448.0, gl.float16, VR))
-        s_hi, s_lo = warpgroup_mma_wait(num_outstanding=0, deps=(s_hi, s_lo))
+        if ASYNC_PV:  # also the previous tile's P.V (issued before this tile's Q.K: wgmma groups retire in order)
+            s_hi, s_lo, acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(s_hi, s_lo, acc, p16))
+        else:
+            s_hi, s_lo = warpgroup_mma_wait(num_outstanding=0, deps=(s_hi, s_lo))
         mbarrier.arrive(empty.index(s))  # K and V are out of the slot (for this consumer)
         v16.store(vt)
         scores = (s_hi + s_lo * 0.0625) * row_scale[:, None]
@@ -205,7 +217,9 @@ def _consumer(p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los,
         p16 = gl.convert_layout(p.to(gl.float16), P_L)
         fence_async_shared()
         gl.thread_barrier()  # every warp's part of V is in v16
-        acc = warpgroup_mma(p16, v16.permute((1, 0)), acc)
+        acc = warpgroup_mma(p16, v16.permute((1, 0)), acc, is_async=ASYNC_PV)
+    if ASYNC_PV:
+        acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
 
     o_r = CI * MW + gl.arange(0, MW, gl.SliceLayout(1, O_L))
     o_c = gl.arange(0, D, gl.SliceLayout(0, O_L))
@@ -244,7 +258,7 @@ def gluon_partition_kernel(
     HKV: gl.constexpr, G: gl.constexpr, QL: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
     BT: gl.constexpr, ALIGN: gl.constexpr, NBUF: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     RAGGED: gl.constexpr = False, DIRECT: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 200,
-    HAS_SINKS: gl.constexpr = False,
+    HAS_SINKS: gl.constexpr = False, ASYNC_PV: gl.constexpr = False,
 ):
     # BM 64: one consumer warpgroup (the default partition); BM 128 (prefill): a second one as a worker
     # partition, on the other 64 rows of the item, reading the same K/V slots (each slot released by both)
@@ -276,7 +290,7 @@ def gluon_partition_kernel(
             [(_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
                           stride_q_t, stride_q_h, stride_o_t, stride_o_h, 0, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
-                          HAS_SINKS)),
+                          HAS_SINKS, ASYNC_PV)),
              (_producer, (p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_hkv, start, end, num_blocks,
                           stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2,
                           stride_bt_s, D, BS, BT, NBUF))],
@@ -286,12 +300,12 @@ def gluon_partition_kernel(
             [(_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
                           stride_q_t, stride_q_h, stride_o_t, stride_o_h, 0, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
-                          HAS_SINKS)),
+                          HAS_SINKS, ASYNC_PV)),
              (_producer, (p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_hkv, start, end, num_blocks,
                           stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2,
                           stride_bt_s, D, BS, BT, NBUF)),
              (_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
                           stride_q_t, stride_q_h, stride_o_t, stride_o_h, 1, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
-                          HAS_SINKS))],
+                          HAS_SINKS, ASYNC_PV))],
                            [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
