@@ -79,9 +79,10 @@ def plan_partitions(num_items: int, Hkv: int, max_tokens: int, sms: int, request
     """The split of ``num_items`` sequences (or prefill chunks) of at most ``max_tokens`` visible
     tokens over ``sms`` SMs. ``requested`` (the caller's num_partitions hint) asks for that many
     partitions per sequence wherever its context has enough tiles. ``small_split``: where the work is
-    small, contexts under MIN_PARTITION_TOKENS split too (SHORT_TASKS_PER_SM); the launchers turn it
-    off for plans bounded by a max context (eager steps, where one partition per short sequence writes
-    its rows without a reduce launch). P never decreases when ``programs_per_sm`` or ``few_per_sm``
+    small, contexts under MIN_PARTITION_TOKENS split too (SHORT_TASKS_PER_SM); the Triton launcher turns
+    it on for shape-only decode plans only (not for prefill's items, where it was not measured, nor for
+    plans bounded by a max context: eager steps, where one partition per short sequence writes its rows
+    without a reduce launch). P never decreases when ``programs_per_sm`` or ``few_per_sm``
     grows, nor when ``small_split`` is on (``reserve`` relies on it)."""
     work = max(num_items * Hkv, 1)
     sms = max(sms, 1)
