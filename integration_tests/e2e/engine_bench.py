@@ -9,7 +9,10 @@ Engines (one per backend, mode and max_model_len, built once, used for every bat
 * eager, max_model_len 1024: accuracy (16 prompts x 64 greedy tokens, logprobs=5) and eager throughput;
 * CUDA graphs (FULL_DECODE_ONLY, no torch.compile), max_model_len 1024 and 131072: throughput;
 * compiled (torch.compile, FULL_AND_PIECEWISE graphs), max_model_len 1024: accuracy and throughput.
-``ENGINE_BENCH_ENGINES="BACKEND:MODE:MAX_LEN,..."`` runs a subset.
+``ENGINE_BENCH_ENGINES="BACKEND:MODE:MAX_LEN,..."`` runs a subset. The graph-mode pairs run in both orders
+(FLYDSL, TRITON_ATTN, TRITON_ATTN, FLYDSL: the tiny model's engine is host-bound, and one run per backend in
+a fixed order left 0.66x-1.0x swings unexplained); ``ENGINE_BENCH_ORDER=once`` runs each once. summary.md's
+ratio table takes every timed run of each backend.
 Accuracy: FLYDSL against TRITON_ATTN with vLLM's ``check_logprobs_close`` rule (at the first position
 where two greedy sequences differ, each chosen token must be in the other run's top-5), the number of
 identical sequences, the copy rule of the model (``tiny_model.copy_rule_agreement``) and the argmax
@@ -89,6 +92,7 @@ def settings(cpu: bool) -> Settings:
     engines += [(b, "compiled", 1024, True) for b in ("FLYDSL", "TRITON_ATTN")]
     # a subset, e.g. "FLYDSL:compiled:1024,TRITON_ATTN:compiled:1024" (accuracy only for eager / compiled)
     engines = engines_from_env("ENGINE_BENCH_ENGINES", engines, lambda mode, length: mode != "graphs")
+    engines = in_both_orders(engines, os.environ.get("ENGINE_BENCH_ORDER", "both"))
     return Settings(cpu=False, acc_prompts=16, acc_tokens=64, batches=(16, 64), out_tokens=128, kv_bytes=4 << 30,
                     engines=engines, capture_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64), repeats=5,
                     extra={"gpu_memory_utilization": 0.5})
@@ -101,6 +105,47 @@ def engines_from_env(var: str, default: list, accuracy) -> list:
     if not pick:
         return default
     return [(b, m, int(n), accuracy(m, int(n))) for b, m, n in (item.rsplit(":", 2) for item in pick.split(","))]
+
+
+def in_both_orders(engines: list, order: str = "both") -> list:
+    """``order`` "both": each pair of throughput-only engines of one mode and length (consecutive, as the
+    settings list them) runs again in the other order right after it (A, B, B, A), so neither backend always
+    gets the first or the later engine of a pair on a host-bound tiny model; "once": as listed."""
+    if order not in ("both", "once"):
+        raise ValueError(f"ENGINE_BENCH_ORDER={order!r}: expected 'both' or 'once'")
+    if order == "once":
+        return list(engines)
+    out, i = [], 0
+    while i < len(engines):
+        a = engines[i]
+        b = engines[i + 1] if i + 1 < len(engines) else None
+        if b is not None and not a[3] and not b[3] and a[1:3] == b[1:3] and a[0] != b[0]:
+            out += [a, b, b, a]
+            i += 2
+        else:
+            out.append(a)
+            i += 1
+    return out
+
+
+def speed_ratios(rows: list, ours: str) -> list:
+    """Per (mode, length, batch): ``ours``'s throughput over the other backend's, from the medians of every timed
+    row of each (both engines of each backend when the pairs ran in both orders). Rows without a time are left
+    out; a point needs both backends."""
+    by: dict = {}
+    for r in rows:
+        if r["seconds"]:
+            by.setdefault((r["mode"], r["max_model_len"], r["batch"]), {}).setdefault(r["backend"], []).append(
+                float(r["seconds"]))
+    out = []
+    for (mode, length, batch), per in by.items():
+        other = [b for b in per if b != ours]
+        if ours not in per or len(other) != 1:
+            continue
+        mine, theirs = statistics.median(per[ours]), statistics.median(per[other[0]])
+        out.append({"mode": mode, "max_model_len": length, "batch": batch, "base": other[0],
+                    "engines": (len(per[ours]), len(per[other[0]])), "ratio": theirs / mine})
+    return out
 
 
 def log(msg: str) -> None:
@@ -151,6 +196,7 @@ class Bench:
     errors: list = field(default_factory=list)
     framework = "vLLM"
     title = "tiny Llama, FLYDSL vs TRITON_ATTN"
+    ours = "FLYDSL"  # the backend whose speed the ratio table gives relative to the other
     length_name = "max_model_len"  # the framework's name for the context length (tables, logs)
     accuracy_setup = "FP8 KV cache, block 16, eager"
 
@@ -345,6 +391,13 @@ class Bench:
                    f"| mode | {self.length_name} | batch | identical sequences |", "|---|---|---|---|"]
             md += [f"| {g['mode']} | {g['max_model_len']} | {g['batch']} | "
                    f"{g['identical_sequences']}/{g['sequences']} |" for g in graphs]
+        ratios = speed_ratios(self.rows, self.ours)
+        if ratios:
+            md += ["", f"Throughput of {self.ours} over the other backend (medians of every timed run of each; "
+                   "engines per backend in brackets):", "",
+                   f"| mode | {self.length_name} | batch | ratio | engines |", "|---|---|---|---|---|"]
+            md += [f"| {q['mode']} | {q['max_model_len']} | {q['batch']} | {q['ratio']:.3f}x (vs {q['base']}) | "
+                   f"{q['engines'][0]} / {q['engines'][1]} |" for q in ratios]
         md += ["", f"| backend | mode | {self.length_name} | batch | tokens | seconds | tok/s | notes |",
                "|---|---|---|---|---|---|---|---|"]
         md += [f"| {r['backend']} | {r['mode']} | {r['max_model_len']} | {r['batch']} | {r['tokens']} | "
@@ -368,6 +421,7 @@ class KimiBench(Bench):
     docstring (``--model kimi``)."""
 
     title = "tiny Kimi-Linear, KDA decode hook on vs off"
+    ours = "KDA:flydsl"
     accuracy_setup = "bf16, MLA on TRITON_MLA, staggered arrivals (mixed prefill+decode batches)"
     calls: list = None  # rows of each kda_decode call of the engine running now
     build_calls = 0  # of which made while the engine was built (graph capture)

@@ -1,0 +1,56 @@
+"""The engine benchmark's run order and its ratio table (no engine is built): throughput-only pairs run in
+both orders by default, and the ratio of a point comes from every timed run of each backend."""
+
+import pytest
+
+from integration_tests.e2e import engine_bench as eb
+
+
+def test_pairs_run_in_both_orders():
+    engines = [("FLYDSL", "eager", 1024, True), ("TRITON_ATTN", "eager", 1024, True),
+               ("FLYDSL", "graphs", 1024, False), ("TRITON_ATTN", "graphs", 1024, False),
+               ("FLYDSL", "graphs", 131072, False), ("TRITON_ATTN", "graphs", 131072, False),
+               ("FLYDSL", "compiled", 1024, True)]
+    out = eb.in_both_orders(engines)
+    assert out == engines[:2] + [engines[2], engines[3], engines[3], engines[2],
+                                 engines[4], engines[5], engines[5], engines[4]] + engines[6:]
+    assert eb.in_both_orders(engines, "once") == engines
+    with pytest.raises(ValueError, match="ENGINE_BENCH_ORDER"):
+        eb.in_both_orders(engines, "twice")
+
+
+def test_vllm_settings_take_the_order_from_the_environment(monkeypatch):
+    monkeypatch.delenv("ENGINE_BENCH_ENGINES", raising=False)
+    monkeypatch.delenv("ENGINE_BENCH_ORDER", raising=False)
+    both = [e[:3] for e in eb.settings(cpu=False).engines if e[1] == "graphs"]
+    assert both[:4] == [("FLYDSL", "graphs", 1024), ("TRITON_ATTN", "graphs", 1024),
+                        ("TRITON_ATTN", "graphs", 1024), ("FLYDSL", "graphs", 1024)]
+    monkeypatch.setenv("ENGINE_BENCH_ORDER", "once")
+    assert len([e for e in eb.settings(cpu=False).engines if e[1] == "graphs"]) == 4
+
+
+def _row(backend, mode, length, batch, seconds):
+    return {"backend": backend, "mode": mode, "max_model_len": length, "batch": batch,
+            "seconds": f"{seconds:.4f}" if seconds else ""}
+
+
+def test_speed_ratio_uses_every_engine_of_each_backend():
+    rows = [_row("FLYDSL", "graphs", 1024, 64, 0.56), _row("TRITON_ATTN", "graphs", 1024, 64, 0.37),
+            _row("TRITON_ATTN", "graphs", 1024, 64, 0.55), _row("FLYDSL", "graphs", 1024, 64, 0.38),
+            _row("FLYDSL", "graphs", 1024, 16, 0.40), _row("TRITON_ATTN", "graphs", 1024, 16, 0.0),  # a failed row
+            _row("FLYDSL", "eager", 1024, 16, 0.90), _row("TRITON_ATTN", "eager", 1024, 16, 0.99)]
+    got = {(q["mode"], q["batch"]): q for q in eb.speed_ratios(rows, "FLYDSL")}
+    assert set(got) == {("graphs", 64), ("eager", 16)}  # a point without both backends is left out
+    assert got[("graphs", 64)]["ratio"] == pytest.approx(((0.37 + 0.55) / 2) / ((0.56 + 0.38) / 2))
+    assert got[("graphs", 64)]["engines"] == (2, 2)
+    assert got[("eager", 16)]["ratio"] == pytest.approx(0.99 / 0.90)
+    assert got[("eager", 16)]["base"] == "TRITON_ATTN"
+
+
+def test_summary_holds_the_ratio_table(tmp_path):
+    b = eb.Bench(out=tmp_path, s=eb.settings(cpu=True), model_dir=tmp_path, device="cpu", commit="abc")
+    for backend, secs in (("FLYDSL", 0.5), ("TRITON_ATTN", 0.4), ("TRITON_ATTN", 0.6), ("FLYDSL", 0.5)):
+        b.row(backend, "graphs", 1024, 64, 8192, secs)
+    b.report(final=False)
+    md = (tmp_path / "summary.md").read_text()
+    assert "| graphs | 1024 | 64 | 1.000x (vs TRITON_ATTN) | 2 / 2 |" in md, md
