@@ -159,15 +159,18 @@ def test_gluon_graph_replay_with_new_context_lengths_gpu(gluon_on):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["async_pv", "fp8_pv"])
 @pytest.mark.parametrize("kind", ["decode", "decode-sinks", "prefill"])
-def test_async_pv_variant_against_reference_gpu(gluon_on, monkeypatch, kind):
-    """The probe's ASYNC_PV variant (tile j's P.V in flight until tile j + 1's Q.K is waited for): the same
-    accuracy, every tile count from one up (contexts 4..8192), 64- and 128-row items."""
+def test_probe_variants_against_reference_gpu(gluon_on, monkeypatch, kind, variant):
+    """The probe's ASYNC_PV variant (tile j's P.V in flight until tile j + 1's Q.K is waited for) and FP8_PV
+    variant (P.V on FP8 wgmma with V from the ring, P as hi + lo FP8 tiles): the same accuracy, every tile count
+    from one up (contexts 4..8192, so partitions end inside pages whose unused slots hold NaN bytes), 64- and
+    128-row items."""
     import pa_backend.triton as tri
 
     real = tri._run_gluon
     monkeypatch.setattr(tri, "_run_gluon", lambda L, sinks, p: (gluon_on.append(p.query.shape),
-                                                                 real(L, sinks, p, async_pv=True))[1])
+                                                                 real(L, sinks, p, **{variant: True}))[1])
     if kind == "prefill":
         check(dict(**PREFILL_CASES[0], D=128, block_size=16, extra_table=300), seed=3)
     else:
