@@ -98,7 +98,10 @@ def ptxas_report(kernel, types: Mapping[str, str], constexprs: Mapping[str, obje
     return {"registers": grab(r"Used (\d+) registers"), "spill_stores": grab(r"(\d+) bytes spill stores"),
             "spill_loads": grab(r"(\d+) bytes spill loads"), "stack": grab(r"(\d+) bytes stack frame"),
             "shared": int(getattr(compiled.metadata, "shared", 0) or 0),
-            "hot_spills": hot_spill_count(compiled.asm.get("cubin"))}
+            "hot_spills": hot_spill_count(compiled.asm.get("cubin")),
+            # ptxas C7512: "wgmma.mma_async instructions are serialized due to insufficient register resources"
+            # (it then waits after every wgmma: results stay right, the overlap the code asks for is gone)
+            "wgmma_serialized": int("C7512" in text or "wgmma.mma_async instructions are serialized" in text)}
 
 
 def hot_spill_count(cubin: Optional[bytes]) -> int:

@@ -156,12 +156,12 @@ def _gpu_probe(seconds: float):
             run(o128)
             t128 = time_cuda_graph(lambda i: run(o128), inner=inner, trials=trials).median_us
             print(f"  shipped at M 128: {t128:.1f} us ({size(t128)}), rel err {accuracy(kw, o128):.2e}", flush=True)
-            # (ring depth, producer regs, consumer regs, variant: "" shipped / "async" ASYNC_PV / "fp8" FP8_PV)
-            variants = ((4, 72, 200, ""), (4, 72, 200, "async"), (4, 72, 200, "fp8"), (3, 72, 200, ""))
+            # (ring depth, producer regs, consumer regs, variant: "" shipped / "fp8" FP8_PV; "async" ASYNC_PV is not
+            # timed: ptxas serializes its dots at these register caps, C7512)
+            variants = ((4, 72, 200, ""), (4, 72, 200, "fp8"), (3, 72, 200, ""))
         else:
-            variants = (((4, 72, 0, ""), (4, 72, 0, "async"), (4, 72, 0, "fp8"), (3, 72, 0, ""), (3, 72, 0, "fp8"),
-                         (2, 72, 0, ""))
-                        if B * ctx > 10**5 else ((4, 72, 0, ""), (4, 72, 0, "async"), (4, 72, 0, "fp8"), (2, 72, 0, "")))
+            variants = (((4, 72, 0, ""), (4, 72, 0, "fp8"), (3, 72, 0, ""), (3, 72, 0, "fp8"), (2, 72, 0, ""))
+                        if B * ctx > 10**5 else ((4, 72, 0, ""), (4, 72, 0, "fp8"), (2, 72, 0, "")))
         for nbuf, regs, cregs, var in variants:
             flags = dict(async_pv=var == "async", fp8_pv=var == "fp8")
             vname = {"": "", "async": " async P.V", "fp8": " FP8 P.V"}[var]

@@ -75,6 +75,7 @@ def test_compiles_for_sm90_without_spills():
     for what, rep in rows:
         print(what, rep)
         assert rep["spill_stores"] == 0 and rep["spill_loads"] == 0, (what, rep)
+        assert rep["wgmma_serialized"] == 0, (what, rep)  # ptxas kept the asynchronous dots asynchronous
         if what == "decode":
             assert rep["registers"] == 128, rep  # the launch's cap
             assert rep["shared"] <= 113 * 1024, rep  # two CTAs per SM (228 KB, 1 KB reserved per CTA)
@@ -160,7 +161,7 @@ def test_gluon_graph_replay_with_new_context_lengths_gpu(gluon_on):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["async_pv", "fp8_pv"])
-@pytest.mark.parametrize("kind", ["decode", "decode-sinks", "prefill"])
+@pytest.mark.parametrize("kind", ["decode", "decode-sinks", "decode-long", "prefill"])
 def test_probe_variants_against_reference_gpu(gluon_on, monkeypatch, kind, variant):
     """The probe's ASYNC_PV variant (tile j's P.V in flight until tile j + 1's Q.K is waited for) and FP8_PV
     variant (P.V on FP8 wgmma with V from the ring, P as hi + lo FP8 tiles): the same accuracy, every tile count
@@ -173,6 +174,9 @@ def test_probe_variants_against_reference_gpu(gluon_on, monkeypatch, kind, varia
                                                                  real(L, sinks, p, **{variant: True}))[1])
     if kind == "prefill":
         check(dict(**PREFILL_CASES[0], D=128, block_size=16, extra_table=300), seed=3)
+    elif kind == "decode-long":  # one partition of 8192 tokens: the P.V accumulates over 128 tiles
+        check(dict(context_lengths=[8192, 3001], query_length=4, Hq=16, Hkv=1, D=128, block_size=16), seed=8,
+              num_partitions=1)
     else:
         check(dict(context_lengths=[4, 65, 1027, 8192, 130], query_length=4, Hq=32 if kind == "decode-sinks" else 16,
                    Hkv=2 if kind == "decode-sinks" else 1, D=128, block_size=16, sinks=kind == "decode-sinks",

@@ -147,7 +147,10 @@ def _consumer(p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los,
     K-major B operand as copied) and P scaled by 256 as hi + lo FP8 tiles (two dots into one accumulator; P's
     residual error ~2^-8 relative, as the query's split), so V is neither widened nor stored again, and the slot is
     released after the P.V; in the tiles that reach a page's unused slots, their NaN bytes are cleared in the slot
-    first."""
+    first. Not settled for it: Hopper's FP8 dots are reported to accumulate with ~14 mantissa bits, and the P.V
+    accumulates over the whole partition (the GPU test has a one-partition 8192-token case). ASYNC_PV at the shipped
+    register caps: ptxas serializes every wgmma (C7512, ``gluon_ptxas_report``'s ``wgmma_serialized``), so it only
+    measures the overlap with a higher cap."""
     MW: gl.constexpr = 64  # rows per consumer warpgroup (wgmma M 64 per warpgroup)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 32])
     if FP8_PV:  # P.V with 8-bit operands: wgmma K 32, P from registers 4 bytes per piece
@@ -230,12 +233,15 @@ def _consumer(p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los,
         m_i = m_new
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         if FP8_PV:
-            ps = p * 256.0  # in [0, 256]: the low part stays a normal FP8 number down to p ~ 2^-13
+            ps = p * 256.0  # in [0, 256]: the low part stays a normal FP8 number down to p ~ 2^-10 (below, its
+            # error is at most 2^-18 in p)
             p_hi = ps.to(gl.float8e4nv)
             p_lo = (ps - p_hi.to(gl.float32)).to(gl.float8e4nv)
             fence_async_shared()  # a masked tile's cleared V, written through registers
             gl.thread_barrier()
             v_b = v_ring.index(s).permute((1, 0))  # [BT, D], BT contiguous: the FP8 wgmma's K-major B
+            # (two synchronous dots, a wait each: an asynchronous pair would need its 8-bit register operands
+            # kept alive through the wait, which this Triton cannot lower: "Unexpected bitwidth in WGMMAWaitGroupOp")
             acc = warpgroup_mma(gl.convert_layout(p_hi, P_L), v_b, acc)
             acc = warpgroup_mma(gl.convert_layout(p_lo, P_L), v_b, acc)
             mbarrier.arrive(empty.index(s))  # the P.V has read V: the slot is free (for this consumer)
