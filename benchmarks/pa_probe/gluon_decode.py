@@ -54,16 +54,12 @@ def launch(p, L, nbuf: int = 4, producer_regs: int = 72, consumer_regs: int = 20
     (pa_backend.triton.launch_state), then the shipped reduce (none when L.direct: one partition per item,
     the kernel writes the output rows). ``async_pv``: the kernel's ASYNC_PV variant (tile j's P.V in flight
     until tile j + 1's Q.K is waited for); ``fp8_pv``: its FP8_PV variant (P.V on FP8 wgmma, V from the ring)."""
-    from pa_backend.triton import _run_gluon, gluon_covers, gluon_device
+    from pa_backend.triton import _clear_unworked_rows, _run_gluon, gluon_covers, gluon_device
     if not (gluon_device(p.device) and gluon_covers(p) and L.BM in (64, 128) and L.qk8 and not L.queue_mode):
         raise ValueError("the Gluon probe covers what the backend's Gluon path does (gluon_covers: D 128, e4m3fn "
                          "caches with 16-byte strides, 16-token pages, 4-D V, per-tensor scales, no window), 64- "
                          "and 128-row items, grid launches")
-    # what _run_attention does before it
-    if L.zero_rows is not None:
-        p.out[:L.zero_rows[0]].zero_()
-        p.out[L.zero_rows[1]:].zero_()
-    if L.items == 0:
+    if not _clear_unworked_rows(L, p):  # as _run_attention does before it
         return p.out
     return _run_gluon(L, p.sinks if p.sinks is not None else L.ws[0], p, nbuf, producer_regs,
                       _maxnreg(L.BM).get("maxnreg", 0), consumer_regs, async_pv, fp8_pv)
@@ -74,7 +70,9 @@ def _maxnreg(BM: int = 64):
     # cap it takes 256 registers per thread (one CTA per SM); 128 gives two, the consumer warpgroup then
     # gets ~184 inside the specialized region (setmaxnreg), the producer warp PRODUCER_REGS. BM 128 (two
     # consumer warpgroups, 12 warps with the padding): one CTA per SM, 168 (GL_MAXNREG_PREFILL)
-    raw = os.environ.get("GL_MAXNREG" if BM == 64 else "GL_MAXNREG_PREFILL", "128" if BM == 64 else "168")
+    from pa_backend.triton import GLUON_MAXNREG, GLUON_MAXNREG_128
+    raw = os.environ.get("GL_MAXNREG" if BM == 64 else "GL_MAXNREG_PREFILL",
+                         str(GLUON_MAXNREG if BM == 64 else GLUON_MAXNREG_128))
     return {"maxnreg": int(raw)} if raw and raw != "0" else {}
 
 

@@ -11,6 +11,8 @@ from pa_backend import REGISTRY, pa_decode, pa_prefill, plan_decode, plan_prefil
 from pa_backend.cases import make_pa_case
 from pa_backend.verify import tolerance
 
+from .test_triton import rel_to_reference
+
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not REGISTRY.get("triton").is_available()[0],
                                                                   reason="triton not usable here"))]
@@ -68,22 +70,8 @@ def test_wide_table_is_bit_identical_to_exact(impl, kind):
         plans = [plan_decode(bt, kw["context_lengths"], query_length=kw["query_length"], backend=impl),
                  plan_decode(bt, kw["context_lengths"], query_length=kw["query_length"], max_context=130, backend=impl)]
     assert torch.equal(plans[0].run(**args, **scal), exact)
-    assert _rel_to_reference(c, plans[1].run(**args, **scal)) <= tolerance(DEVICE)
-    assert _rel_to_reference(c, exact) <= tolerance(DEVICE)
-
-
-def _rel_to_reference(c, out):
-    """Relative error of ``out`` against the float64 reference of case ``c``."""
-    import dataclasses
-
-    from pa_backend.contract import prepare_attention
-    from pa_backend.reference import run_attention
-
-    kw = dict(c.kwargs)
-    kw.pop("out", None)
-    ref = torch.empty(kw["query"].shape, dtype=torch.float64, device=out.device)
-    run_attention(dataclasses.replace(prepare_attention(**kw, prefill=c.prefill), out=ref), compute_dtype=torch.float64)
-    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    assert rel_to_reference(c, plans[1].run(**args, **scal)) <= tolerance(DEVICE)
+    assert rel_to_reference(c, exact) <= tolerance(DEVICE)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -15,15 +15,20 @@ DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cp
 pytestmark = pytest.mark.skipif(not REGISTRY.get("triton").is_available()[0], reason="triton not usable here")
 
 
+def rel_to_reference(case, out):
+    """Relative error of ``out`` against the float64 reference of ``case`` (its inputs as built)."""
+    kw = dict(case.kwargs)
+    kw.pop("out", None)
+    ref = torch.empty(kw["query"].shape, dtype=torch.float64, device=out.device)
+    run_attention(dataclasses.replace(prepare_attention(**kw, prefill=case.prefill), out=ref), compute_dtype=torch.float64)
+    return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
 def check(params, seed=0, **call):
     case = make_pa_case(**params, device=DEVICE, seed=seed)
-    kw = dict(case.kwargs)
-    kw.pop("out")
-    ref = torch.empty(kw["query"].shape, dtype=torch.float64, device=DEVICE)
-    run_attention(dataclasses.replace(prepare_attention(**kw, prefill=case.prefill), out=ref), compute_dtype=torch.float64)
     out = case.call("triton", **call)
     assert torch.isfinite(out).all()
-    err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+    err = rel_to_reference(case, out)
     assert err <= tolerance(DEVICE), (case.desc, err)
     return out
 

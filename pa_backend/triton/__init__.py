@@ -329,12 +329,17 @@ def launch_state(p: PAProblem) -> _Launch:
     return st
 
 
-def _run_attention(p: PAProblem) -> torch.Tensor:
-    L = launch_state(p)
+def _clear_unworked_rows(L: "_Launch", p: PAProblem) -> bool:
+    """Zero the output rows outside every work item (a prefill's padding rows); whether any item has work."""
     if L.zero_rows is not None:
         p.out[:L.zero_rows[0]].zero_()
         p.out[L.zero_rows[1]:].zero_()
-    if L.items == 0:
+    return L.items > 0
+
+
+def _run_attention(p: PAProblem) -> torch.Tensor:
+    L = launch_state(p)
+    if not _clear_unworked_rows(L, p):
         return p.out
     c = p.cache
     kc, vc, ks, vs = c.key_cache, c.value_cache, c.key_scale, c.value_scale
@@ -502,7 +507,7 @@ def _run_gluon(L: "_Launch", sinks, p: PAProblem, slots: Optional[int] = None,
                consumer_regs: int = GLUON_CONSUMER_REGS, async_pv: bool = False, fp8_pv: bool = False) -> torch.Tensor:
     """The Gluon partition kernel, then the shipped reduce (none for a direct launch); ``sinks``: p.sinks or any
     fp32 pointer. The caller has zeroed the rows outside every sequence and skipped empty batches
-    (_run_attention). ``slots`` /
+    (_clear_unworked_rows). ``slots`` /
     ``producer_regs`` / ``maxnreg`` / ``consumer_regs``: the ring depth and register split (None: the
     defaults for the item's rows; other values for benchmarks/pa_probe/gluon_decode.py's variants; ``async_pv`` /
     ``fp8_pv``: the kernel's ASYNC_PV / FP8_PV variants, probe only)."""

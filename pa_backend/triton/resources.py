@@ -68,17 +68,14 @@ def amdgcn_report(arch: str = "gfx942", D: int = 128, block_size: int = 16, M: O
     return _amdgcn_report(fn, types, constexprs, divisible, warps, arch=arch, num_stages=stages)
 
 
-def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks, amd):
-    """(kernel, argument types, constexprs, 16-divisible arguments, warps, stages, register cap) of one
-    configuration as the launcher builds it on NVIDIA sm_90 (``amd`` None) or on the AMD ``amd`` arch."""
-    from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel
-    from .write_kv import write_kv_kernel
-
-    fn = {"partition": pa_decode_partition_kernel, "reduce": pa_decode_reduce_kernel, "write": write_kv_kernel}[kernel]
+def _arg_types(fn, cache_type: str = "*fp8e4nv") -> Dict[str, str]:
+    """The Triton type strings of kernel ``fn``'s runtime arguments, by this package's naming: FP8 caches
+    (``cache_type``), int32 tables / lengths / chunks / slots / queue, BF16 activations, other pointers fp32,
+    the softmax scale fp32, strides and batch scalars int32 (constexprs are not listed)."""
     types = {}
     for n in inspect.signature(fn.fn).parameters:
         if n in ("p_kc", "p_vc"):
-            types[n] = "*fp8e4b8" if amd == "gfx942" else "*fp8e4nv"  # fp8.py: e4m3fnuz on gfx942
+            types[n] = cache_type
         elif n in ("p_bt", "p_cl", "p_slots", "p_chunks", "p_queue"):
             types[n] = "*i32"
         elif n in ("p_q", "p_out", "p_k", "p_v"):
@@ -90,6 +87,17 @@ def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks
         elif n.startswith("stride_") or n in ("sliding_window", "capacity", "max_tokens", "num_blocks", "few_target",
                                               "short_target", "min_pt", "long_pt", "P", "n_items", "num_sms"):
             types[n] = "i32"
+    return types
+
+
+def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks, amd):
+    """(kernel, argument types, constexprs, 16-divisible arguments, warps, stages, register cap) of one
+    configuration as the launcher builds it on NVIDIA sm_90 (``amd`` None) or on the AMD ``amd`` arch."""
+    from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel
+    from .write_kv import write_kv_kernel
+
+    fn = {"partition": pa_decode_partition_kernel, "reduce": pa_decode_reduce_kernel, "write": write_kv_kernel}[kernel]
+    types = _arg_types(fn, "*fp8e4b8" if amd == "gfx942" else "*fp8e4nv")  # fp8.py: e4m3fnuz on gfx942
     # the launcher passes these flags as bools; Triton compiles some integer constexprs differently (with
     # V5D = K_PER_TOKEN = 1 the gfx950 D 256 decode program spilled 140 bytes, with True none)
     v5d, per_token, direct, sinks = bool(v5d), bool(per_token), bool(direct), bool(sinks)
@@ -149,13 +157,7 @@ def gluon_ptxas_report(slots: int, producer_regs: int, maxnreg: int, block_size:
     warpgroups; ``direct``: one partition per chunk, the output written by the kernel, with sinks)."""
     from .gluon_decode import gluon_partition_kernel
 
-    types = {n: "*fp32" for n in ("p_ks", "p_vs", "p_ws_m", "p_ws_l", "p_ws_acc", "p_sinks")}
-    types.update(p_q="*bf16", p_out="*bf16", p_kc="*fp8e4nv", p_vc="*fp8e4nv", p_bt="*i32", p_cl="*i32",
-                 p_chunks="*i32", softmax_scale="fp32")
-    types.update({n: "i32" for n in ("P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt", "short_target",
-                                     "stride_q_t", "stride_q_h", "stride_o_t", "stride_o_h", "stride_kc_b",
-                                     "stride_kc_h", "stride_kc_c", "stride_kc_t", "stride_vc_b", "stride_vc_h",
-                                     "stride_vc_2", "stride_bt_s", "stride_cl")})
+    types = _arg_types(gluon_partition_kernel)
     ce = dict(HKV=1, G=16, QL=4, BM=64, D=128, BS=block_size, BT=64, ALIGN=max(64, block_size), NBUF=slots,
               PRODUCER_REGS=producer_regs, RAGGED=False, DIRECT=direct, CONSUMER_REGS=consumer_regs,
               HAS_SINKS=direct, ASYNC_PV=async_pv, FP8_PV=fp8_pv)
