@@ -128,10 +128,17 @@ def in_both_orders(engines: list, order: str = "both") -> list:
     return out
 
 
+# the largest ratio between two engines of one backend at one point for the point's ratio to count as settled:
+# on the H100 hosts a batch-64 graph engine lands in one of two states (~0.37 s or ~0.58 s for the same work,
+# either backend, twentieth session), so one engine per backend can put the ratio anywhere from 0.66x to 1.5x
+SETTLED_SPREAD = 1.10
+
+
 def speed_ratios(rows: list, ours: str) -> list:
     """Per (mode, length, batch): ``ours``'s throughput over the other backend's, from the medians of every timed
     row of each (both engines of each backend when the pairs ran in both orders). Rows without a time are left
-    out; a point needs both backends."""
+    out; a point needs both backends. ``spread``: per backend, its slowest engine's time over its fastest;
+    ``settled``: every backend ran more than one engine there and none spread past ``SETTLED_SPREAD``."""
     by: dict = {}
     for r in rows:
         if r["seconds"]:
@@ -143,8 +150,10 @@ def speed_ratios(rows: list, ours: str) -> list:
         if ours not in per or len(other) != 1:
             continue
         mine, theirs = statistics.median(per[ours]), statistics.median(per[other[0]])
+        spread = {b: max(per[b]) / min(per[b]) for b in (ours, other[0])}
         out.append({"mode": mode, "max_model_len": length, "batch": batch, "base": other[0],
-                    "engines": (len(per[ours]), len(per[other[0]])), "ratio": theirs / mine})
+                    "engines": (len(per[ours]), len(per[other[0]])), "ratio": theirs / mine, "spread": spread,
+                    "settled": all(len(per[b]) > 1 and spread[b] <= SETTLED_SPREAD for b in spread)})
     return out
 
 
@@ -393,11 +402,15 @@ class Bench:
                    f"{g['identical_sequences']}/{g['sequences']} |" for g in graphs]
         ratios = speed_ratios(self.rows, self.ours)
         if ratios:
-            md += ["", f"Throughput of {self.ours} over the other backend (medians of every timed run of each; "
-                   "engines per backend in brackets):", "",
-                   f"| mode | {self.length_name} | batch | ratio | engines |", "|---|---|---|---|---|"]
+            md += ["", f"Throughput of {self.ours} over the other backend (medians of every timed run of each). "
+                   f"Engines: per backend. Spread: per backend, its slowest engine over its fastest; a point is "
+                   f"settled where each backend ran more than one engine, none spread past {SETTLED_SPREAD:.2f}x:", "",
+                   f"| mode | {self.length_name} | batch | ratio | engines | spread | settled |",
+                   "|---|---|---|---|---|---|---|"]
             md += [f"| {q['mode']} | {q['max_model_len']} | {q['batch']} | {q['ratio']:.3f}x (vs {q['base']}) | "
-                   f"{q['engines'][0]} / {q['engines'][1]} |" for q in ratios]
+                   f"{q['engines'][0]} / {q['engines'][1]} | "
+                   f"{q['spread'][self.ours]:.2f}x / {q['spread'][q['base']]:.2f}x | "
+                   f"{'yes' if q['settled'] else 'no'} |" for q in ratios]
         md += ["", f"| backend | mode | {self.length_name} | batch | tokens | seconds | tok/s | notes |",
                "|---|---|---|---|---|---|---|---|"]
         md += [f"| {r['backend']} | {r['mode']} | {r['max_model_len']} | {r['batch']} | {r['tokens']} | "

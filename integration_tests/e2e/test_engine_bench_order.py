@@ -45,6 +45,12 @@ def test_speed_ratio_uses_every_engine_of_each_backend():
     assert got[("graphs", 64)]["engines"] == (2, 2)
     assert got[("eager", 16)]["ratio"] == pytest.approx(0.99 / 0.90)
     assert got[("eager", 16)]["base"] == "TRITON_ATTN"
+    # two engines of each backend that disagree by ~1.5x leave the point unsettled; one engine each never settles
+    assert got[("graphs", 64)]["spread"] == pytest.approx({"FLYDSL": 0.56 / 0.38, "TRITON_ATTN": 0.55 / 0.37})
+    assert not got[("graphs", 64)]["settled"] and not got[("eager", 16)]["settled"]
+    close = [_row("FLYDSL", "graphs", 1024, 64, 0.50), _row("TRITON_ATTN", "graphs", 1024, 64, 0.52),
+             _row("TRITON_ATTN", "graphs", 1024, 64, 0.53), _row("FLYDSL", "graphs", 1024, 64, 0.51)]
+    assert eb.speed_ratios(close, "FLYDSL")[0]["settled"]
 
 
 def test_summary_holds_the_ratio_table(tmp_path):
@@ -53,4 +59,4 @@ def test_summary_holds_the_ratio_table(tmp_path):
         b.row(backend, "graphs", 1024, 64, 8192, secs)
     b.report(final=False)
     md = (tmp_path / "summary.md").read_text()
-    assert "| graphs | 1024 | 64 | 1.000x (vs TRITON_ATTN) | 2 / 2 |" in md, md
+    assert "| graphs | 1024 | 64 | 1.000x (vs TRITON_ATTN) | 2 / 2 | 1.00x / 1.50x | no |" in md, md
