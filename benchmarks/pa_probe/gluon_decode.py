@@ -48,12 +48,10 @@ import sys
 sys.path.insert(0, os.getcwd())
 
 
-def launch(p, L, nbuf: int = 4, producer_regs: int = 72, consumer_regs: int = 200, async_pv: bool = False,
-           fp8_pv: bool = False):
+def launch(p, L, nbuf: int = 4, producer_regs: int = 72, consumer_regs: int = 200):
     """The Gluon partition kernel of checked problem ``p`` with the shipped launch state ``L``
     (pa_backend.triton.launch_state), then the shipped reduce (none when L.direct: one partition per item,
-    the kernel writes the output rows). ``async_pv``: the kernel's ASYNC_PV variant (tile j's P.V in flight
-    until tile j + 1's Q.K is waited for); ``fp8_pv``: its FP8_PV variant (P.V on FP8 wgmma, V from the ring)."""
+    the kernel writes the output rows)."""
     from pa_backend.triton import _clear_unworked_rows, _run_gluon, gluon_covers, gluon_device
     if not (gluon_device(p.device) and gluon_covers(p) and L.BM in (64, 128) and L.qk8 and not L.queue_mode):
         raise ValueError("the Gluon probe covers what the backend's Gluon path does (gluon_covers: D 128, e4m3fn "
@@ -62,7 +60,7 @@ def launch(p, L, nbuf: int = 4, producer_regs: int = 72, consumer_regs: int = 20
     if not _clear_unworked_rows(L, p):  # as _run_attention does before it
         return p.out
     return _run_gluon(L, p.sinks if p.sinks is not None else L.ws[0], p, nbuf, producer_regs,
-                      _maxnreg(L.BM).get("maxnreg", 0), consumer_regs, async_pv, fp8_pv)
+                      _maxnreg(L.BM).get("maxnreg", 0), consumer_regs)
 
 
 def _maxnreg(BM: int = 64):
@@ -77,14 +75,13 @@ def _maxnreg(BM: int = 64):
 
 
 def compile_sm90(nbuf: int = 4, producer_regs: int = 72, prefill: bool = False, consumer_regs: int = 200,
-                 direct: bool = True, async_pv: bool = False, fp8_pv: bool = False):
+                 direct: bool = True):
     """ptxas' resource numbers for sm_90 (backend_core.aot.ptxas_report; no GPU needed): the ql 4 decode
     (BM 64, GQA 16) or the prefill (BM 128 = 32 rows x GQA 4, ragged chunks; ``direct``: one partition per
     chunk, the output rows written by the kernel, else the workspace)."""
     from pa_backend.triton.resources import gluon_ptxas_report
     return gluon_ptxas_report(nbuf, producer_regs, _maxnreg(128 if prefill else 64).get("maxnreg", 0),
-                              rows=128 if prefill else 64, consumer_regs=consumer_regs, direct=prefill and direct,
-                              async_pv=async_pv, fp8_pv=fp8_pv)
+                              rows=128 if prefill else 64, consumer_regs=consumer_regs, direct=prefill and direct)
 
 
 def _gpu_probe(seconds: float):
@@ -154,15 +151,10 @@ def _gpu_probe(seconds: float):
             run(o128)
             t128 = time_cuda_graph(lambda i: run(o128), inner=inner, trials=trials).median_us
             print(f"  shipped at M 128: {t128:.1f} us ({size(t128)}), rel err {accuracy(kw, o128):.2e}", flush=True)
-            # (ring depth, producer regs, consumer regs, variant: "" shipped / "fp8" FP8_PV; "async" ASYNC_PV is not
-            # timed: ptxas serializes its dots at these register caps, C7512)
-            variants = ((4, 72, 200, ""), (4, 72, 200, "fp8"), (3, 72, 200, ""))
+            variants = ((4, 72, 200), (3, 72, 200))  # (ring depth, producer regs, consumer regs)
         else:
-            variants = (((4, 72, 0, ""), (4, 72, 0, "fp8"), (3, 72, 0, ""), (3, 72, 0, "fp8"), (2, 72, 0, ""))
-                        if B * ctx > 10**5 else ((4, 72, 0, ""), (4, 72, 0, "fp8"), (2, 72, 0, "")))
-        for nbuf, regs, cregs, var in variants:
-            flags = dict(async_pv=var == "async", fp8_pv=var == "fp8")
-            vname = {"": "", "async": " async P.V", "fp8": " FP8 P.V"}[var]
+            variants = ((4, 72, 0), (3, 72, 0), (2, 72, 0)) if B * ctx > 10**5 else ((4, 72, 0), (2, 72, 0))
+        for nbuf, regs, cregs in variants:
             if time.time() > t_end:
                 print("time budget spent", flush=True)
                 return
@@ -175,20 +167,20 @@ def _gpu_probe(seconds: float):
             L = launch_state(p)
             faulthandler.dump_traceback_later(90, exit=True)  # a hang (a barrier never completes) ends the probe
             try:
-                launch(p, L, nbuf, regs, cregs or 200, **flags)
+                launch(p, L, nbuf, regs, cregs or 200)
                 torch.cuda.synchronize()
                 faulthandler.cancel_dump_traceback_later()
             except Exception as e:  # noqa: BLE001 (a probe: report and go on)
                 faulthandler.cancel_dump_traceback_later()
-                print(f"  NBUF={nbuf} regs={regs}{vname}: {type(e).__name__}: {str(e)[:600]}", flush=True)
+                print(f"  NBUF={nbuf} regs={regs}: {type(e).__name__}: {str(e)[:600]}", flush=True)
                 continue
             err = accuracy(kw, out)
             diff = (out.float() - ref_out.float()).abs().max().item()
             out.fill_(float("nan"))
-            t_g = time_cuda_graph(lambda i: launch(p, L, nbuf, regs, cregs or 200, **flags), inner=inner, trials=trials,
+            t_g = time_cuda_graph(lambda i: launch(p, L, nbuf, regs, cregs or 200), inner=inner, trials=trials,
                                   after_capture=lambda: out.fill_(float("nan"))).median_us
             err_replay = accuracy(kw, out)
-            print(f"  gluon NBUF={nbuf}{vname} producer regs={regs}"
+            print(f"  gluon NBUF={nbuf} producer regs={regs}"
                   f"{f' consumer regs={cregs}' if cregs else ''}"
                   f"{' direct' if L.direct else f' P={L.split.P}'}: {t_g:.1f} us ({size(t_g)}, {t_s / t_g:.2f}x), "
                   f"rel err {err:.2e} (replayed {err_replay:.2e}), max |gluon - shipped| {diff:.2e}", flush=True)
@@ -201,9 +193,6 @@ if __name__ == "__main__":
     if "--compile" in sys.argv:
         for nbuf, regs in ((4, 72), (3, 72), (6, 72), (2, 72)):
             print(f"NBUF={nbuf} producer regs={regs}:", compile_sm90(nbuf, regs))
-        print("NBUF=4 producer regs=72 async P.V:", compile_sm90(4, 72, async_pv=True))
-        print("NBUF=4 producer regs=72 FP8 P.V:", compile_sm90(4, 72, fp8_pv=True))
-        print("prefill NBUF=4 FP8 P.V direct=False:", compile_sm90(4, 72, True, 200, False, fp8_pv=True))
         for nbuf, regs, cregs, direct in ((3, 72, 200, True), (2, 72, 200, True), (4, 72, 200, True),
                                           (3, 72, 200, False)):
             print(f"prefill NBUF={nbuf} producer regs={regs} consumer regs={cregs} direct={direct}:",

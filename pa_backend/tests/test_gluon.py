@@ -158,32 +158,6 @@ def test_gluon_graph_replay_with_new_context_lengths_gpu(gluon_on):
     assert gluon_on
 
 
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["async_pv", "fp8_pv"])
-@pytest.mark.parametrize("kind", ["decode", "decode-sinks", "decode-long", "prefill"])
-def test_probe_variants_against_reference_gpu(gluon_on, monkeypatch, kind, variant):
-    """The probe's ASYNC_PV variant (tile j's P.V in flight until tile j + 1's Q.K is waited for) and FP8_PV
-    variant (P.V on FP8 wgmma with V from the ring, P as hi + lo FP8 tiles): the same accuracy, every tile count
-    from one up (contexts 4..8192, so partitions end inside pages whose unused slots hold NaN bytes), 64- and
-    128-row items."""
-    import pa_backend.triton as tri
-
-    real = tri._run_gluon
-    monkeypatch.setattr(tri, "_run_gluon", lambda L, sinks, p: (gluon_on.append(p.query.shape),
-                                                                 real(L, sinks, p, **{variant: True}))[1])
-    if kind == "prefill":
-        check(dict(**PREFILL_CASES[0], D=128, block_size=16, extra_table=300), seed=3)
-    elif kind == "decode-long":  # one partition of 8192 tokens: the P.V accumulates over 128 tiles
-        check(dict(context_lengths=[8192, 3001], query_length=4, Hq=16, Hkv=1, D=128, block_size=16), seed=8,
-              num_partitions=1)
-    else:
-        check(dict(context_lengths=[4, 65, 1027, 8192, 130], query_length=4, Hq=32 if kind == "decode-sinks" else 16,
-                   Hkv=2 if kind == "decode-sinks" else 1, D=128, block_size=16, sinks=kind == "decode-sinks",
-                   extra_table=300), seed=7)
-    assert gluon_on, "the Gluon kernel was not chosen"
-
-
 # prefill: 128-row items (32 query rows x GQA 4) on two consumer warpgroups
 
 def test_prefill_tiling_takes_the_gluon_rows_only_when_chosen(monkeypatch):

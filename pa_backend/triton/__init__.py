@@ -504,17 +504,14 @@ def gluon_eligible(p: PAProblem, L: "_Launch") -> bool:
 
 def _run_gluon(L: "_Launch", sinks, p: PAProblem, slots: Optional[int] = None,
                producer_regs: int = GLUON_PRODUCER_REGS, maxnreg: Optional[int] = None,
-               consumer_regs: int = GLUON_CONSUMER_REGS, async_pv: bool = False, fp8_pv: bool = False) -> torch.Tensor:
+               consumer_regs: int = GLUON_CONSUMER_REGS) -> torch.Tensor:
     """The Gluon partition kernel, then the shipped reduce (none for a direct launch); ``sinks``: p.sinks or any
     fp32 pointer. The caller has zeroed the rows outside every sequence and skipped empty batches
     (_clear_unworked_rows). ``slots`` /
     ``producer_regs`` / ``maxnreg`` / ``consumer_regs``: the ring depth and register split (None: the
-    defaults for the item's rows; other values for benchmarks/pa_probe/gluon_decode.py's variants; ``async_pv`` /
-    ``fp8_pv``: the kernel's ASYNC_PV / FP8_PV variants, probe only)."""
+    defaults for the item's rows; other values for benchmarks/pa_probe/gluon_decode.py's variants)."""
     from .gluon_decode import gluon_partition_kernel  # imports triton's gluon
 
-    if async_pv and fp8_pv:
-        raise ValueError("async_pv and fp8_pv: one probe variant at a time (the asynchronous P.V is the FP16 one)")
     c, sp = p.cache, L.split
     kc, vc = c.key_cache, c.value_cache
     if slots is None:
@@ -533,7 +530,6 @@ def _run_gluon(L: "_Launch", sinks, p: PAProblem, slots: Optional[int] = None,
         HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=64, ALIGN=L.align, NBUF=slots,
         PRODUCER_REGS=producer_regs, RAGGED=not p.is_decode, DIRECT=L.direct, CONSUMER_REGS=consumer_regs,
         HAS_SINKS=L.direct and p.sinks is not None,  # read only by a direct launch (no second compile otherwise)
-        ASYNC_PV=async_pv, FP8_PV=fp8_pv,
         num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
     if not L.direct:
         _reduce(L, None, sinks, p)

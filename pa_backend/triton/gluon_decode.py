@@ -137,28 +137,13 @@ def _consumer(p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los,
               i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
               stride_q_t, stride_q_h, stride_o_t, stride_o_h,
               CI: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr, QL: gl.constexpr, BM: gl.constexpr,
-              D: gl.constexpr, BT: gl.constexpr, NBUF: gl.constexpr, DIRECT: gl.constexpr, HAS_SINKS: gl.constexpr,
-              ASYNC_PV: gl.constexpr, FP8_PV: gl.constexpr):
+              D: gl.constexpr, BT: gl.constexpr, NBUF: gl.constexpr, DIRECT: gl.constexpr, HAS_SINKS: gl.constexpr):
     """Consumer warpgroup CI: rows CI * 64 .. CI * 64 + 63 of the item's BM, over every tile of the partition;
-    then its partial into the workspace (DIRECT: its output rows). ``ASYNC_PV`` (a probe variant, not run on a
-    GPU yet): tile j's P.V is left in flight and waited for with tile j + 1's Q.K, so it runs while the warps
-    wait for the next slot, issue its Q.K and widen its V (v16 is rewritten only after that wait). ``FP8_PV`` (a
-    probe variant, not run on a GPU yet): P.V on FP8 wgmma with V straight from its ring slot (V^T [D, BT] is the
-    K-major B operand as copied) and P scaled by 256 as hi + lo FP8 tiles (two dots into one accumulator; P's
-    residual error ~2^-8 relative, as the query's split), so V is neither widened nor stored again, and the slot is
-    released after the P.V; in the tiles that reach a page's unused slots, their NaN bytes are cleared in the slot
-    first. Not settled for it: Hopper's FP8 dots are reported to accumulate with ~14 mantissa bits, and the P.V
-    accumulates over the whole partition (the GPU test has a one-partition 8192-token case). ASYNC_PV at the shipped
-    register caps: ptxas serializes every wgmma (C7512, ``gluon_ptxas_report``'s ``wgmma_serialized``), so it only
-    measures the overlap with a higher cap."""
+    then its partial into the workspace (DIRECT: its output rows)."""
     MW: gl.constexpr = 64  # rows per consumer warpgroup (wgmma M 64 per warpgroup)
     S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BT, 32])
-    if FP8_PV:  # P.V with 8-bit operands: wgmma K 32, P from registers 4 bytes per piece
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 32])
-        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=4)
-    else:
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
-        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+    O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D, 16])
+    P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
     QLY: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     VR: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # V^T [D, BT] from its slot
     q_hi = q_his.index(CI)
@@ -191,12 +176,6 @@ def _consumer(p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los,
     acc = gl.zeros([MW, D], gl.float32, O_L)
     zero_s = gl.zeros([MW, BT], gl.float32, S_L)
     n_tiles = gl.cdiv(end - start, BT)
-    if ASYNC_PV:  # acc is carried as an in-flight wgmma accumulator: start it with a zero product (v16 zeroed)
-        v16.store(gl.zeros([D, BT], gl.float16, VR))
-        fence_async_shared()
-        gl.thread_barrier()
-        p16 = gl.zeros([MW, BT], gl.float16, P_L)  # carried too: the in-flight P.V reads it from registers
-        acc = warpgroup_mma(p16, v16.permute((1, 0)), acc, use_acc=False, is_async=True)
     for j in range(n_tiles):
         s = j % NBUF
         mbarrier.wait(ready.index(s), (j // NBUF) & 1)
@@ -205,21 +184,12 @@ def _consumer(p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los,
         s_lo = warpgroup_mma(q_lo, k_t, zero_s, use_acc=False, is_async=True)
         t0 = start + j * BT
         masked = t0 + BT > full_hi  # the causal diagonal and the partition's end
-        if FP8_PV:
-            if masked:  # the NaN bytes of a live page's unused slots, cleared in the slot (maxNum, as below)
-                v8 = gl.maximum(v_ring.index(s).load(VR).to(gl.float16), gl.full([D, BT], -448.0, gl.float16, VR))
-                v_ring.index(s).store(v8.to(gl.float8e4nv))
-        else:
-            vt = v_ring.index(s).load(VR).to(gl.float16)
-            if masked:  # NaN bytes of a live page's unused slots: maxNum returns the other operand
-                vt = gl.maximum(vt, gl.full([D, BT], -448.0, gl.float16, VR))
-        if ASYNC_PV:  # also the previous tile's P.V (issued before this tile's Q.K: wgmma groups retire in order)
-            s_hi, s_lo, acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(s_hi, s_lo, acc, p16))
-        else:
-            s_hi, s_lo = warpgroup_mma_wait(num_outstanding=0, deps=(s_hi, s_lo))
-        if not FP8_PV:
-            mbarrier.arrive(empty.index(s))  # K and V are out of the slot (for this consumer)
-            v16.store(vt)
+        vt = v_ring.index(s).load(VR).to(gl.float16)
+        if masked:  # NaN bytes of a live page's unused slots: maxNum returns the other operand
+            vt = gl.maximum(vt, gl.full([D, BT], -448.0, gl.float16, VR))
+        s_hi, s_lo = warpgroup_mma_wait(num_outstanding=0, deps=(s_hi, s_lo))
+        mbarrier.arrive(empty.index(s))  # K and V are out of the slot (for this consumer)
+        v16.store(vt)
         scores = (s_hi + s_lo * 0.0625) * row_scale[:, None]
         if masked:
             tok = t0 + cols
@@ -232,33 +202,14 @@ def _consumer(p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los,
         l_i = l_i * alpha + gl.sum(p, 1)
         m_i = m_new
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
-        if FP8_PV:
-            ps = p * 256.0  # in [0, 256]: the low part stays a normal FP8 number down to p ~ 2^-10 (below, its
-            # error is at most 2^-18 in p)
-            p_hi = ps.to(gl.float8e4nv)
-            p_lo = (ps - p_hi.to(gl.float32)).to(gl.float8e4nv)
-            fence_async_shared()  # a masked tile's cleared V, written through registers
-            gl.thread_barrier()
-            v_b = v_ring.index(s).permute((1, 0))  # [BT, D], BT contiguous: the FP8 wgmma's K-major B
-            # (two synchronous dots, a wait each: an asynchronous pair would need its 8-bit register operands
-            # kept alive through the wait, which this Triton cannot lower: "Unexpected bitwidth in WGMMAWaitGroupOp")
-            acc = warpgroup_mma(gl.convert_layout(p_hi, P_L), v_b, acc)
-            acc = warpgroup_mma(gl.convert_layout(p_lo, P_L), v_b, acc)
-            mbarrier.arrive(empty.index(s))  # the P.V has read V: the slot is free (for this consumer)
-        else:
-            p16 = gl.convert_layout(p.to(gl.float16), P_L)
-            fence_async_shared()
-            gl.thread_barrier()  # every warp's part of V is in v16
-            acc = warpgroup_mma(p16, v16.permute((1, 0)), acc, is_async=ASYNC_PV)
-    if ASYNC_PV:
-        acc, p16 = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p16))
+        p16 = gl.convert_layout(p.to(gl.float16), P_L)
+        fence_async_shared()
+        gl.thread_barrier()  # every warp's part of V is in v16
+        acc = warpgroup_mma(p16, v16.permute((1, 0)), acc)
 
     o_r = CI * MW + gl.arange(0, MW, gl.SliceLayout(1, O_L))
     o_c = gl.arange(0, D, gl.SliceLayout(0, O_L))
-    if FP8_PV:
-        acc = acc * (gl.load(p_vs) * 0.00390625)  # P was scaled by 256
-    else:
-        acc = acc * gl.load(p_vs)
+    acc = acc * gl.load(p_vs)
     l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
     if DIRECT:  # one partition: the output rows (a row that attended nothing: zeros), as _store_rows
         attended = l_o > 0
@@ -293,7 +244,7 @@ def gluon_partition_kernel(
     HKV: gl.constexpr, G: gl.constexpr, QL: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
     BT: gl.constexpr, ALIGN: gl.constexpr, NBUF: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     RAGGED: gl.constexpr = False, DIRECT: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 200,
-    HAS_SINKS: gl.constexpr = False, ASYNC_PV: gl.constexpr = False, FP8_PV: gl.constexpr = False,
+    HAS_SINKS: gl.constexpr = False,
 ):
     # BM 64: one consumer warpgroup (the default partition); BM 128 (prefill): a second one as a worker
     # partition, on the other 64 rows of the item, reading the same K/V slots (each slot released by both)
@@ -325,7 +276,7 @@ def gluon_partition_kernel(
             [(_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
                           stride_q_t, stride_q_h, stride_o_t, stride_o_h, 0, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
-                          HAS_SINKS, ASYNC_PV, FP8_PV)),
+                          HAS_SINKS)),
              (_producer, (p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_hkv, start, end, num_blocks,
                           stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2,
                           stride_bt_s, D, BS, BT, NBUF))],
@@ -335,12 +286,12 @@ def gluon_partition_kernel(
             [(_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
                           stride_q_t, stride_q_h, stride_o_t, stride_o_h, 0, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
-                          HAS_SINKS, ASYNC_PV, FP8_PV)),
+                          HAS_SINKS)),
              (_producer, (p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_hkv, start, end, num_blocks,
                           stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2,
                           stride_bt_s, D, BS, BT, NBUF)),
              (_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
                           stride_q_t, stride_q_h, stride_o_t, stride_o_h, 1, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
-                          HAS_SINKS, ASYNC_PV, FP8_PV))],
+                          HAS_SINKS))],
                            [1, 4], [PRODUCER_REGS, CONSUMER_REGS])

@@ -150,8 +150,7 @@ def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks
 
 
 def gluon_ptxas_report(slots: int, producer_regs: int, maxnreg: int, block_size: int = 16, rows: int = 64,
-                       consumer_regs: int = 200, direct: bool = False, async_pv: bool = False,
-                       fp8_pv: bool = False) -> Dict[str, int]:
+                       consumer_regs: int = 200, direct: bool = False) -> Dict[str, int]:
     """ptxas' numbers (sm_90) of the Gluon partition kernel (gluon_decode.py) as the launcher builds it: for the
     GQA 16 x 4-row decode (``rows`` 64), or for prefill chunks of 32 rows x GQA 4 (``rows`` 128: two consumer
     warpgroups; ``direct``: one partition per chunk, the output written by the kernel, with sinks)."""
@@ -160,7 +159,7 @@ def gluon_ptxas_report(slots: int, producer_regs: int, maxnreg: int, block_size:
     types = _arg_types(gluon_partition_kernel)
     ce = dict(HKV=1, G=16, QL=4, BM=64, D=128, BS=block_size, BT=64, ALIGN=max(64, block_size), NBUF=slots,
               PRODUCER_REGS=producer_regs, RAGGED=False, DIRECT=direct, CONSUMER_REGS=consumer_regs,
-              HAS_SINKS=direct, ASYNC_PV=async_pv, FP8_PV=fp8_pv)
+              HAS_SINKS=direct)
     if rows == 128:
         ce.update(HKV=8, G=4, QL=32, BM=128, RAGGED=True)
     elif rows != 64:
