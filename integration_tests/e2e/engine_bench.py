@@ -92,7 +92,7 @@ def settings(cpu: bool) -> Settings:
     engines += [(b, "compiled", 1024, True) for b in ("FLYDSL", "TRITON_ATTN")]
     # a subset, e.g. "FLYDSL:compiled:1024,TRITON_ATTN:compiled:1024" (accuracy only for eager / compiled)
     engines = engines_from_env("ENGINE_BENCH_ENGINES", engines, lambda mode, length: mode != "graphs")
-    engines = in_both_orders(engines, os.environ.get("ENGINE_BENCH_ORDER", "both"))
+    engines = in_both_orders(engines, bench_order("both"))
     return Settings(cpu=False, acc_prompts=16, acc_tokens=64, batches=(16, 64), out_tokens=128, kv_bytes=4 << 30,
                     engines=engines, capture_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64), repeats=5,
                     extra={"gpu_memory_utilization": 0.5})
@@ -105,6 +105,14 @@ def engines_from_env(var: str, default: list, accuracy) -> list:
     if not pick:
         return default
     return [(b, m, int(n), accuracy(m, int(n))) for b, m, n in (item.rsplit(":", 2) for item in pick.split(","))]
+
+
+def bench_order(default: str) -> str:
+    """$ENGINE_BENCH_ORDER ("both" or "once"), ``default`` when unset."""
+    order = os.environ.get("ENGINE_BENCH_ORDER", default)
+    if order not in ("both", "once"):
+        raise ValueError(f"ENGINE_BENCH_ORDER={order!r}: expected 'both' or 'once'")
+    return order
 
 
 def in_both_orders(engines: list, order: str = "both") -> list:
@@ -518,6 +526,10 @@ class KimiBench(Bench):
 
 def kimi_settings(cpu: bool = False) -> Settings:
     engines = [(b, m, 2048, True) for m in ("eager", "graphs") for b in ("KDA:vllm", "KDA:flydsl")]
+    # the graph pair again, throughput only, in the other order (ENGINE_BENCH_ORDER=both, the default; the
+    # nineteenth session's single graph pair read 0.89x at batch 16 with spreads of 0.33-0.46 s)
+    if bench_order("both") == "both":
+        engines += [(b, "graphs", 2048, False) for b in ("KDA:flydsl", "KDA:vllm")]
     engines = engines_from_env("ENGINE_BENCH_ENGINES", engines, lambda mode, length: True)
     return Settings(cpu=False, acc_prompts=16, acc_tokens=64, batches=(16, 64), out_tokens=128, kv_bytes=2 << 30,
                     engines=engines, capture_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64), repeats=5,

@@ -66,7 +66,7 @@ def settings(cpu: bool) -> eb.Settings:
     # a subset, e.g. "flydsl:graphs:1024,triton:graphs:1024"
     engines = eb.engines_from_env("SGLANG_BENCH_ENGINES", engines, lambda mode, ctx: mode == "eager" and ctx == 1024)
     # each engine takes ~40 s to start here: the pairs run once unless ENGINE_BENCH_ORDER=both
-    engines = eb.in_both_orders(engines, os.environ.get("ENGINE_BENCH_ORDER", "once"))
+    engines = eb.in_both_orders(engines, eb.bench_order("once"))
     return eb.Settings(cpu=False, acc_prompts=16, acc_tokens=64, batches=(16, 64), out_tokens=128, kv_bytes=0,
                        engines=engines, capture_sizes=tuple(CAPTURE_BS), repeats=3,
                        extra={"max_total_tokens": MAX_TOTAL_TOKENS})

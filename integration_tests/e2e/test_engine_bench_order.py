@@ -29,6 +29,19 @@ def test_vllm_settings_take_the_order_from_the_environment(monkeypatch):
     assert len([e for e in eb.settings(cpu=False).engines if e[1] == "graphs"]) == 4
 
 
+def test_kimi_graph_pair_runs_again_in_the_other_order(monkeypatch):
+    monkeypatch.delenv("ENGINE_BENCH_ENGINES", raising=False)
+    monkeypatch.delenv("ENGINE_BENCH_ORDER", raising=False)
+    graphs = [e for e in eb.kimi_settings().engines if e[1] == "graphs"]
+    assert graphs == [("KDA:vllm", "graphs", 2048, True), ("KDA:flydsl", "graphs", 2048, True),
+                      ("KDA:flydsl", "graphs", 2048, False), ("KDA:vllm", "graphs", 2048, False)]
+    monkeypatch.setenv("ENGINE_BENCH_ORDER", "once")
+    assert len([e for e in eb.kimi_settings().engines if e[1] == "graphs"]) == 2
+    monkeypatch.setenv("ENGINE_BENCH_ORDER", "twice")
+    with pytest.raises(ValueError, match="ENGINE_BENCH_ORDER"):
+        eb.kimi_settings()
+
+
 def _row(backend, mode, length, batch, seconds):
     return {"backend": backend, "mode": mode, "max_model_len": length, "batch": batch,
             "seconds": f"{seconds:.4f}" if seconds else ""}
