@@ -243,16 +243,18 @@ def test_block_ids_outside_the_cache_read_block_zero(prefill):
 def test_reserved_workspace_is_reused_and_outgrown_buffers_stay_alive():
     """After reserve() a decode batch within the reservation allocates nothing; a larger one grows
     the workspace and keeps the old buffer (a graph captured earlier still writes to it)."""
+    from backend_core.buffers import indexed
     from pa_backend import planner
 
-    planner._WS.buffers.pop(torch.device(DEVICE), None)  # earlier tests may have grown it past these sizes
+    key = indexed(DEVICE)  # the buffers' key: a bare "cuda" is stored as "cuda:<current>"
+    planner._WS.buffers.pop(key, None)  # earlier tests may have grown it past these sizes
     planner.reserve(8, 4, 1, 64, 4096, 16, device=DEVICE, sms=4)
-    buf = planner._WS.buffers[DEVICE][0]
+    buf = planner._WS.buffers[key][0]
     case = make_pa_case([40, 6, 100], Hq=4, Hkv=1, D=64, device=DEVICE)
     case.call("triton")
-    assert planner._WS.buffers[DEVICE][0] is buf
+    assert planner._WS.buffers[key][0] is buf
     planner.reserve(64, 16, 1, 256, 1 << 16, 16, device=DEVICE, sms=4)
-    assert planner._WS.buffers[DEVICE][0] is not buf and any(r[0] is buf for r in planner._WS.retired)
+    assert planner._WS.buffers[key][0] is not buf and any(r[0] is buf for r in planner._WS.retired)
     with pytest.raises(ValueError, match="Hq: expected a multiple of Hkv"):
         planner.reserve(8, 6, 4, 64, 4096, 16, device=DEVICE)
 
@@ -261,11 +263,12 @@ def test_reserved_workspace_is_reused_and_outgrown_buffers_stay_alive():
 def test_reserve_covers_every_launch_of_the_triton_split(G, ql, D, bs):
     """reserve() sizes the workspace for whatever the Triton launch plans at every batch size up to
     the reservation, one-warp programs' split targets included."""
+    from backend_core.buffers import indexed
     from pa_backend import planner
     from pa_backend.triton import decode_tiling, split_policy
 
     sms, max_ctx, Hkv = 132, 1 << 17, 2
-    planner._WS.buffers.pop(torch.device(DEVICE), None)
+    planner._WS.buffers.pop(indexed(DEVICE), None)
     reserved = planner.reserve(64, G * Hkv, Hkv, D, max_ctx, bs, query_length=ql, device=DEVICE, sms=sms) // 4
     BM = planner.work_rows(G, ql)
     warps = decode_tiling(D, BM, bs)[1]
