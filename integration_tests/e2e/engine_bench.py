@@ -165,6 +165,16 @@ def speed_ratios(rows: list, ours: str) -> list:
     return out
 
 
+def runs_note(times: list, full_gcs: list) -> str:
+    """The CSV note's part on the timed runs of one point: their range and every run in order, with the full
+    (oldest-generation) garbage collections of this process during each (the batch-64 graph engines land in
+    two states ~1.5x apart, and a run can switch: twentieth session). Empty for a single run."""
+    if len(times) < 2:
+        return ""
+    return (f"; median of {len(times)} runs ({min(times):.4f}-{max(times):.4f} s); runs "
+            + " ".join(f"{t:.4f}" for t in times) + "; full GCs " + " ".join(str(g) for g in full_gcs))
+
+
 def log(msg: str) -> None:
     print(f"[engine_bench {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -274,17 +284,17 @@ class Bench:
             try:
                 self.generate(llm, prompts, self.s.out_tokens)  # warm-up: same shapes, JIT and autotuning done
                 sync()
-                times = []
+                times, full_gcs = [], []
                 for _ in range(self.s.repeats):  # the engine is host-bound: single runs vary 5-25%
+                    gc0 = gc.get_stats()[-1]["collections"]
                     t0 = time.perf_counter()
                     toks, _ = self.generate(llm, prompts, self.s.out_tokens)
                     sync()
                     times.append(time.perf_counter() - t0)
+                    full_gcs.append(gc.get_stats()[-1]["collections"] - gc0)
                 dt = statistics.median(times)
                 n = sum(len(t) for t in toks)
-                note = self.throughput_note(prompts, toks)
-                if len(times) > 1:
-                    note += f"; median of {len(times)} runs ({min(times):.4f}-{max(times):.4f} s)"
+                note = self.throughput_note(prompts, toks) + runs_note(times, full_gcs)
                 self.generated.setdefault((mode, max_len, batch), {})[backend] = toks
                 self.row(backend, mode, max_len, batch, n, dt, note)
                 log(f"{backend} {mode} {self.length_name}={max_len} batch={batch}: {n} tokens in {dt:.3f} s = "

@@ -73,3 +73,9 @@ def test_summary_holds_the_ratio_table(tmp_path):
     b.report(final=False)
     md = (tmp_path / "summary.md").read_text()
     assert "| graphs | 1024 | 64 | 1.000x (vs TRITON_ATTN) | 2 / 2 | 1.00x / 1.50x | no |" in md, md
+
+
+def test_runs_note_lists_every_run_and_its_full_collections():
+    assert eb.runs_note([0.5], [0]) == ""
+    note = eb.runs_note([0.39, 0.62, 0.4], [0, 1, 0])
+    assert note == "; median of 3 runs (0.3900-0.6200 s); runs 0.3900 0.6200 0.4000; full GCs 0 1 0"
