@@ -90,7 +90,7 @@ for step in $steps; do
     serve-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider -rfs
                        integration_tests/e2e/test_sglang_serve.py) ;;
     # SGLang speculative decoding (STANDALONE, EAGLE) with the target on flydsl, on sglang_gpu's platform.
-    # Step times on an H100: spec-sglang ~185 s, kimi-sglang ~200 s, tests-e2e-vllm ~120 s, serve-sglang ~95 s; a
+    # Step times on an H100: spec-sglang ~185 s, kimi-sglang 120-200 s, tests-e2e-vllm ~120 s, serve-sglang ~95 s; a
     # STEP_TIMEOUT below a step's time kills its engine processes too (timeout signals the whole process group)
     spec-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider -rfs
                       integration_tests/e2e/test_sglang_spec.py ${SPEC_PYTEST_ARGS:-}) ;;

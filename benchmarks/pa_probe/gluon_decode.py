@@ -151,9 +151,9 @@ def _gpu_probe(seconds: float):
             run(o128)
             t128 = time_cuda_graph(lambda i: run(o128), inner=inner, trials=trials).median_us
             print(f"  shipped at M 128: {t128:.1f} us ({size(t128)}), rel err {accuracy(kw, o128):.2e}", flush=True)
-            variants = ((4, 72, 200), (3, 72, 200))  # (ring depth, producer regs, consumer regs)
+            variants = ((3, 72, 200), (2, 72, 200), (4, 72, 200))
         else:
-            variants = ((4, 72, 0), (3, 72, 0), (2, 72, 0)) if B * ctx > 10**5 else ((4, 72, 0), (2, 72, 0))
+            variants = ((4, 72, 0), (3, 72, 0), (6, 72, 0), (2, 72, 0)) if B * ctx > 10**5 else ((4, 72, 0), (2, 72, 0))
         for nbuf, regs, cregs in variants:
             if time.time() > t_end:
                 print("time budget spent", flush=True)
@@ -180,8 +180,7 @@ def _gpu_probe(seconds: float):
             t_g = time_cuda_graph(lambda i: launch(p, L, nbuf, regs, cregs or 200), inner=inner, trials=trials,
                                   after_capture=lambda: out.fill_(float("nan"))).median_us
             err_replay = accuracy(kw, out)
-            print(f"  gluon NBUF={nbuf} producer regs={regs}"
-                  f"{f' consumer regs={cregs}' if cregs else ''}"
+            print(f"  gluon NBUF={nbuf} producer regs={regs}{f' consumer regs={cregs}' if cregs else ''}"
                   f"{' direct' if L.direct else f' P={L.split.P}'}: {t_g:.1f} us ({size(t_g)}, {t_s / t_g:.2f}x), "
                   f"rel err {err:.2e} (replayed {err_replay:.2e}), max |gluon - shipped| {diff:.2e}", flush=True)
         prefill_m(None)

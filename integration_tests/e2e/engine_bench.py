@@ -12,7 +12,9 @@ Engines (one per backend, mode and max_model_len, built once, used for every bat
 ``ENGINE_BENCH_ENGINES="BACKEND:MODE:MAX_LEN,..."`` runs a subset. The graph-mode pairs run in both orders
 (FLYDSL, TRITON_ATTN, TRITON_ATTN, FLYDSL: the tiny model's engine is host-bound, and one run per backend in
 a fixed order left 0.66x-1.0x swings unexplained); ``ENGINE_BENCH_ORDER=once`` runs each once. summary.md's
-ratio table takes every timed run of each backend.
+ratio table takes every timed run of each backend and marks a point settled only where each backend ran more
+than one engine and their medians agree within ``SETTLED_SPREAD`` (SGLang's bench runs one engine per backend
+unless ENGINE_BENCH_ORDER=both: its points never read settled); the CSV note lists every run.
 Accuracy: FLYDSL against TRITON_ATTN with vLLM's ``check_logprobs_close`` rule (at the first position
 where two greedy sequences differ, each chosen token must be in the other run's top-5), the number of
 identical sequences, the copy rule of the model (``tiny_model.copy_rule_agreement``) and the argmax
@@ -36,7 +38,8 @@ runs batched prefill, pure decode batches (the hook's path; in graph mode padded
 sequences finish) and mixed prefill+decode batches (handed back to vLLM); pair rule per mode: hook on
 against hook off (check_logprobs_close, identical sequences, max |logprob difference| of the chosen
 token before the first divergence), and the on-run must have called ``kda_decode`` (calls and rows are
-recorded). Throughput: batch 16 and 64 as above, tokens compared between the two.
+recorded). Throughput: batch 16 and 64 as above, tokens compared between the two. With ENGINE_BENCH_ORDER=both
+(the default) the graph pair runs again in the other order, throughput only (hook on, then off).
 
 ``--cpu``: the same code path on vLLM's CPU worker (FLYDSL on the torch reference; TRITON_ATTN does not
 run there): eager only, batch 2, 8 tokens, max_model_len 1024 and 131072; the accuracy pair is FLYDSL at
@@ -136,9 +139,10 @@ def in_both_orders(engines: list, order: str = "both") -> list:
     return out
 
 
-# the largest ratio between two engines of one backend at one point for the point's ratio to count as settled:
-# on the H100 hosts a batch-64 graph engine lands in one of two states (~0.37 s or ~0.58 s for the same work,
-# either backend, twentieth session), so one engine per backend can put the ratio anywhere from 0.66x to 1.5x
+# the largest ratio between the medians of two engines of one backend at one point for the point's ratio to
+# count as settled: on the H100 hosts the batch-64 graph runs of either backend take ~0.37 s or ~0.58 s for the
+# same work, by engine and sometimes within one engine's runs (twentieth session), so one engine per backend can
+# put the ratio anywhere from 0.66x to 1.5x
 SETTLED_SPREAD = 1.10
 
 
@@ -165,14 +169,16 @@ def speed_ratios(rows: list, ours: str) -> list:
     return out
 
 
-def runs_note(times: list, full_gcs: list) -> str:
+def runs_note(times: list, full_gcs=None) -> str:
     """The CSV note's part on the timed runs of one point: their range and every run in order, with the full
-    (oldest-generation) garbage collections of this process during each (the batch-64 graph engines land in
-    two states ~1.5x apart, and a run can switch: twentieth session). Empty for a single run."""
+    (oldest-generation) garbage collections during each where the engine runs in this process (``full_gcs``;
+    None: not counted). The batch-64 graph runs take ~0.37 s or ~0.58 s, and one engine's runs can switch
+    (twentieth session). Empty for a single run."""
     if len(times) < 2:
         return ""
-    return (f"; median of {len(times)} runs ({min(times):.4f}-{max(times):.4f} s); runs "
-            + " ".join(f"{t:.4f}" for t in times) + "; full GCs " + " ".join(str(g) for g in full_gcs))
+    note = f"; median of {len(times)} runs ({min(times):.4f}-{max(times):.4f} s); runs " + " ".join(
+        f"{t:.4f}" for t in times)
+    return note + ("; full GCs " + " ".join(str(g) for g in full_gcs) if full_gcs is not None else "")
 
 
 def log(msg: str) -> None:
@@ -219,9 +225,14 @@ class Bench:
     commit: str
     rows: list = field(default_factory=list)
     accuracy: dict = field(default_factory=dict)  # label -> {tokens, logprobs, ...}
-    generated: dict = field(default_factory=dict)  # (mode, max_model_len, batch) -> {backend: tokens}
+    generated: dict = field(default_factory=dict)  # (mode, max_model_len, batch) -> {backend: [tokens per engine]}
     errors: list = field(default_factory=list)
     framework = "vLLM"
+
+    @property
+    def engine_in_process(self) -> bool:
+        """Whether the engine core runs in this process (vllm_gpu's setting), so its GCs are this process's."""
+        return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     title = "tiny Llama, FLYDSL vs TRITON_ATTN"
     ours = "FLYDSL"  # the backend whose speed the ratio table gives relative to the other
     length_name = "max_model_len"  # the framework's name for the context length (tables, logs)
@@ -286,7 +297,7 @@ class Bench:
                 sync()
                 times, full_gcs = [], []
                 for _ in range(self.s.repeats):  # the engine is host-bound: single runs vary 5-25%
-                    gc0 = gc.get_stats()[-1]["collections"]
+                    gc0 = gc.get_stats()[-1]["collections"]  # this process's (vLLM's engine runs in it here)
                     t0 = time.perf_counter()
                     toks, _ = self.generate(llm, prompts, self.s.out_tokens)
                     sync()
@@ -294,8 +305,9 @@ class Bench:
                     full_gcs.append(gc.get_stats()[-1]["collections"] - gc0)
                 dt = statistics.median(times)
                 n = sum(len(t) for t in toks)
-                note = self.throughput_note(prompts, toks) + runs_note(times, full_gcs)
-                self.generated.setdefault((mode, max_len, batch), {})[backend] = toks
+                note = self.throughput_note(prompts, toks) + runs_note(times, full_gcs if self.engine_in_process
+                                                                        else None)
+                self.generated.setdefault((mode, max_len, batch), {}).setdefault(backend, []).append(toks)
                 self.row(backend, mode, max_len, batch, n, dt, note)
                 log(f"{backend} {mode} {self.length_name}={max_len} batch={batch}: {n} tokens in {dt:.3f} s = "
                     f"{n / dt:.1f} tok/s, {note}")
@@ -378,9 +390,11 @@ class Bench:
             names = sorted(by)
             if len(names) < 2:
                 continue
-            x, y = by[names[0]], by[names[1]]
+            # every engine of one backend against every engine of the other: the fewest identical sequences
+            same = [sum(p == q for p, q in zip(x, y)) for x in by[names[0]] for y in by[names[1]]]
             graphs.append({"mode": mode, "max_model_len": max_len, "batch": batch, "a": names[0], "b": names[1],
-                           "identical_sequences": sum(p == q for p, q in zip(x, y)), "sequences": len(x)})
+                           "identical_sequences": min(same), "sequences": len(by[names[0]][0]),
+                           "engines": (len(by[names[0]]), len(by[names[1]]))})
         return pairs, graphs
 
     def accuracy_pairs(self):
@@ -414,20 +428,23 @@ class Bench:
             md.append(f"| {p['a']} | {p['b']} | {'pass' if p['check_logprobs_close'] else 'FAIL'} | "
                       f"{p['identical_sequences']}/{p['sequences']} | {p['max_abs_logprob_diff']} |")
         if graphs:
-            md += ["", "Same greedy tokens across backends in the throughput runs:", "",
-                   f"| mode | {self.length_name} | batch | identical sequences |", "|---|---|---|---|"]
+            md += ["", "Same greedy tokens across backends in the throughput runs (each engine of one backend against "
+                   "each of the other; the fewest identical sequences of those comparisons):", "",
+                   f"| mode | {self.length_name} | batch | identical sequences | engines |", "|---|---|---|---|---|"]
             md += [f"| {g['mode']} | {g['max_model_len']} | {g['batch']} | "
-                   f"{g['identical_sequences']}/{g['sequences']} |" for g in graphs]
+                   f"{g['identical_sequences']}/{g['sequences']} | {g['engines'][0]} / {g['engines'][1]} |"
+                   for g in graphs]
         ratios = speed_ratios(self.rows, self.ours)
         if ratios:
             md += ["", f"Throughput of {self.ours} over the other backend (medians of every timed run of each). "
-                   f"Engines: per backend. Spread: per backend, its slowest engine over its fastest; a point is "
-                   f"settled where each backend ran more than one engine, none spread past {SETTLED_SPREAD:.2f}x:", "",
+                   f"Engines: per backend. Spread: per backend, its slowest engine's median over its fastest's; a "
+                   f"point is settled where each backend ran more than one engine, none spread past "
+                   f"{SETTLED_SPREAD:.2f}x (a switch within one engine's runs shows in its row's runs):", "",
                    f"| mode | {self.length_name} | batch | ratio | engines | spread | settled |",
                    "|---|---|---|---|---|---|---|"]
             md += [f"| {q['mode']} | {q['max_model_len']} | {q['batch']} | {q['ratio']:.3f}x (vs {q['base']}) | "
                    f"{q['engines'][0]} / {q['engines'][1]} | "
-                   f"{q['spread'][self.ours]:.2f}x / {q['spread'][q['base']]:.2f}x | "
+                   f"{q['spread'][self.ours]:.3f}x / {q['spread'][q['base']]:.3f}x | "
                    f"{'yes' if q['settled'] else 'no'} |" for q in ratios]
         md += ["", f"| backend | mode | {self.length_name} | batch | tokens | seconds | tok/s | notes |",
                "|---|---|---|---|---|---|---|---|"]
@@ -514,9 +531,9 @@ class KimiBench(Bench):
     def accuracy_pairs(self):
         """Hook on against hook off, per mode."""
         pairs = []
-        for backend, mode, max_len, _ in self.s.engines:
+        for backend, mode, max_len, acc in self.s.engines:
             off, on = f"KDA:vllm {mode} {max_len}", f"KDA:flydsl {mode} {max_len}"
-            if backend == "KDA:flydsl" and all("tokens" in self.accuracy.get(k, {}) for k in (off, on)):
+            if acc and backend == "KDA:flydsl" and all("tokens" in self.accuracy.get(k, {}) for k in (off, on)):
                 pairs.append((off, on))
         return pairs
 

@@ -78,6 +78,7 @@ class EngineTimeout(Exception):
 
 class SGLangBench(eb.Bench):
     framework = "SGLang"
+    engine_in_process = False  # the scheduler is another process: its GCs are not counted
     title = "tiny Llama, flydsl vs triton"
     ours = "flydsl"
     length_name = "context_length"

@@ -72,10 +72,33 @@ def test_summary_holds_the_ratio_table(tmp_path):
         b.row(backend, "graphs", 1024, 64, 8192, secs)
     b.report(final=False)
     md = (tmp_path / "summary.md").read_text()
-    assert "| graphs | 1024 | 64 | 1.000x (vs TRITON_ATTN) | 2 / 2 | 1.00x / 1.50x | no |" in md, md
+    assert "| graphs | 1024 | 64 | 1.000x (vs TRITON_ATTN) | 2 / 2 | 1.000x / 1.500x | no |" in md, md
 
 
 def test_runs_note_lists_every_run_and_its_full_collections():
     assert eb.runs_note([0.5], [0]) == ""
     note = eb.runs_note([0.39, 0.62, 0.4], [0, 1, 0])
     assert note == "; median of 3 runs (0.3900-0.6200 s); runs 0.3900 0.6200 0.4000; full GCs 0 1 0"
+    assert eb.runs_note([0.39, 0.62], None) == "; median of 2 runs (0.3900-0.6200 s); runs 0.3900 0.6200"
+
+
+def test_kimi_accuracy_pairs_take_the_accuracy_engines_only(tmp_path, monkeypatch):
+    monkeypatch.delenv("ENGINE_BENCH_ENGINES", raising=False)
+    monkeypatch.delenv("ENGINE_BENCH_ORDER", raising=False)
+    b = eb.KimiBench(out=tmp_path, s=eb.kimi_settings(), model_dir=tmp_path, device="cpu", commit="abc")
+    for label in ("KDA:vllm eager 2048", "KDA:flydsl eager 2048", "KDA:vllm graphs 2048", "KDA:flydsl graphs 2048"):
+        b.accuracy[label] = {"tokens": [[1, 2]], "logprobs": [[{1: (1, -0.1)}, {2: (1, -0.1)}]]}
+    # the reversed graph pair (throughput only) adds no second accuracy pair
+    assert b.accuracy_pairs() == [("KDA:vllm eager 2048", "KDA:flydsl eager 2048"),
+                                  ("KDA:vllm graphs 2048", "KDA:flydsl graphs 2048")]
+
+
+def test_same_tokens_compare_every_engine_of_each_backend(tmp_path):
+    b = eb.Bench(out=tmp_path, s=eb.settings(cpu=True), model_dir=tmp_path, device="cpu", commit="abc")
+    good, bad = [[1, 2], [3, 4]], [[1, 2], [3, 5]]
+    for backend, toks in (("FLYDSL", good), ("TRITON_ATTN", good), ("TRITON_ATTN", good), ("FLYDSL", bad)):
+        b.generated.setdefault(("graphs", 1024, 2), {}).setdefault(backend, []).append(toks)
+    _, graphs = b.compare()
+    # the last FLYDSL engine differs in one sequence: found though the first engines agree
+    assert graphs == [{"mode": "graphs", "max_model_len": 1024, "batch": 2, "a": "FLYDSL", "b": "TRITON_ATTN",
+                       "identical_sequences": 1, "sequences": 2, "engines": (2, 2)}]

@@ -6,12 +6,12 @@ sinks; an appended sink logit otherwise).
 """
 
 import math
-import os
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pa_backend import REGISTRY
 from pa_backend.cases import make_pa_case
 
 
@@ -164,9 +164,9 @@ def test_bench_layer_sets_copy_what_fits():
     assert torch.equal(layer_sets(one, 2, share=1.0, free=1 << 30)[1]["key_scale"], one["key_scale"] * 1.125)
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="the Triton rows run on CPU tensors, through Triton's interpreter (off where a GPU is "
-                           "visible: the GPU bench test covers the rows there)")
+@pytest.mark.skipif(not REGISTRY.supported_on("triton", "cpu"),
+                    reason="the Triton rows run on CPU tensors, which Triton takes only through its interpreter (off "
+                           "where a GPU is visible; there the device script's bench-pa step runs the real rows)")
 def test_bench_graph_rows_check_what_every_layer_replayed(monkeypatch):
     """run_bench's plumbing on CPU (the kernels on the interpreter or torch, the GPU parts stubbed; the
     stubbed graph runs the calls once as the warm-up, then ``after_capture``, then once as the replay):
