@@ -112,7 +112,10 @@ def engines_from_env(var: str, default: list, accuracy) -> list:
 
 def bench_order(default: str) -> str:
     """$ENGINE_BENCH_ORDER ("both" or "once"), ``default`` when unset."""
-    order = os.environ.get("ENGINE_BENCH_ORDER", default)
+    return _checked_order(os.environ.get("ENGINE_BENCH_ORDER", default))
+
+
+def _checked_order(order: str) -> str:
     if order not in ("both", "once"):
         raise ValueError(f"ENGINE_BENCH_ORDER={order!r}: expected 'both' or 'once'")
     return order
@@ -122,9 +125,7 @@ def in_both_orders(engines: list, order: str = "both") -> list:
     """``order`` "both": each pair of throughput-only engines of one mode and length (consecutive, as the
     settings list them) runs again in the other order right after it (A, B, B, A), so neither backend always
     gets the first or the later engine of a pair on a host-bound tiny model; "once": as listed."""
-    if order not in ("both", "once"):
-        raise ValueError(f"ENGINE_BENCH_ORDER={order!r}: expected 'both' or 'once'")
-    if order == "once":
+    if _checked_order(order) == "once":
         return list(engines)
     out, i = [], 0
     while i < len(engines):
@@ -228,15 +229,15 @@ class Bench:
     generated: dict = field(default_factory=dict)  # (mode, max_model_len, batch) -> {backend: [tokens per engine]}
     errors: list = field(default_factory=list)
     framework = "vLLM"
+    title = "tiny Llama, FLYDSL vs TRITON_ATTN"
+    ours = "FLYDSL"  # the backend whose speed the ratio table gives relative to the other
+    length_name = "max_model_len"  # the framework's name for the context length (tables, logs)
+    accuracy_setup = "FP8 KV cache, block 16, eager"
 
     @property
     def engine_in_process(self) -> bool:
         """Whether the engine core runs in this process (vllm_gpu's setting), so its GCs are this process's."""
         return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-    title = "tiny Llama, FLYDSL vs TRITON_ATTN"
-    ours = "FLYDSL"  # the backend whose speed the ratio table gives relative to the other
-    length_name = "max_model_len"  # the framework's name for the context length (tables, logs)
-    accuracy_setup = "FP8 KV cache, block 16, eager"
 
     def row(self, backend, mode, max_len, batch, tokens, seconds, notes=""):
         self.rows.append({"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S"),

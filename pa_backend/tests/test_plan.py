@@ -152,7 +152,6 @@ def test_small_work_splits_short_contexts():
     assert plan_partitions(4, 1, 4096, 132, requested=4).short == 1  # a requested split is taken as asked
 
 
-
 @pytest.mark.skipif(not REGISTRY.get("triton").is_available()[0], reason="triton is not installed")
 def test_small_work_split_is_for_shape_only_decode_plans():
     """The Triton launches take the small-work split only in shape-only decode plans (measured there):
