@@ -404,8 +404,8 @@ def test_window_near_int32_with_rows_that_see_nothing(impl, prefill, window):
 def test_context_lengths_near_int32_stay_inside_the_table(ctx0, ql, window, num_partitions):
     """The data of context_lengths is not validated (no host read): a stale or corrupt length next to
     int32's edges must not move a load outside the table (start + partition length wrapped and the kernel
-    read block ids far outside it). Lengths are clamped to [0, 2^30] where the kernels read them: a
-    negative one gives zero rows, one past the table attends the table's tokens only."""
+    read block ids far outside it). Lengths are clamped to [0, the table row's tokens] where the kernels
+    read them: a negative one gives zero rows, one past the table reads as the table's width."""
     if not REGISTRY.get("triton").is_available()[0]:
         pytest.skip("triton not usable here")
     c = make_pa_case([40, 20], query_length=ql, Hq=2, Hkv=1, D=64, seed=4, device=DEVICE)
@@ -419,6 +419,11 @@ def test_context_lengths_near_int32_stay_inside_the_table(ctx0, ql, window, num_
         assert not out[:ql].any()
     want = pa_decode(**dict(c.kwargs, out=None, sliding_window=window, num_partitions=num_partitions),
                      backend="triton")
+    if ctx0 > 0:  # read as the table's width (the same split and positions)
+        row = dict(c.kwargs, context_lengths=c.kwargs["context_lengths"].clone())
+        row["context_lengths"][0] = c.kwargs["block_tables"].shape[1] * c.kwargs["key_cache"].shape[3]
+        assert torch.equal(out[:ql], pa_decode(**dict(row, out=None, sliding_window=window,
+                                                      num_partitions=num_partitions), backend="triton")[:ql])
     assert torch.equal(out[ql:], want[ql:])  # the other sequence is untouched by the bad one
     assert same_bytes(kw, before)
 

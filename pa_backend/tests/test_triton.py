@@ -208,19 +208,24 @@ def test_write_kv_kept_launches_follow_their_arguments(monkeypatch):
     assert [ok for _, ok in taken] == [True]  # the repeated call only
 
 
-def test_context_past_the_table_reads_nothing_beyond_it():
-    """A context longer than its table row is clamped to the row: the entries after it (here a
-    poisoned next row pointing at a NaN page) are never read."""
-    case = make_pa_case([20, 48], extra_table=0, spare_blocks=2, device=DEVICE)  # 3 blocks: one partition of 4
+@pytest.mark.parametrize("shape", [dict(query_length=1), dict(query_length=4), dict(query_lengths=[5, 7])])
+def test_context_past_the_table_reads_as_the_table(shape):
+    """A context longer than its table row reads as the row, positions included: the entries after it
+    (here a poisoned next row pointing at a NaN page) are never read, and the output equals the call
+    with the row's length (bit for bit: the split and the causal positions follow the clamped length).
+    The GPU's split-K plans gave 1 ulp apart at ql 1 and the unclamped positions at ql 4 before the
+    clamp moved to where the length is read."""
+    case = make_pa_case([20, 48], extra_table=0, spare_blocks=2, device=DEVICE, **shape)  # 3 blocks
     kw = case.kwargs
     nb = kw["key_cache"].shape[0]
     nan_page = sorted(set(range(nb)) - set(case.used_blocks))[0]
     big = torch.full((3, kw["block_tables"].shape[1]), nan_page, dtype=torch.int32, device=DEVICE)
     big[:2] = kw["block_tables"]
     good = case.call("triton").clone()
-    out = case.call("triton", block_tables=big[:2], out=torch.empty_like(good),
-                    context_lengths=torch.tensor([20, 10_000], dtype=torch.int32, device=DEVICE))
-    assert torch.equal(out, good)
+    for ctx in (49, 64, 10_000, 2**31 - 1):
+        out = case.call("triton", block_tables=big[:2], out=torch.full_like(good, float("nan")),
+                        context_lengths=torch.tensor([20, ctx], dtype=torch.int32, device=DEVICE))
+        assert torch.equal(out, good), ctx
 
 
 @pytest.mark.parametrize("prefill", [False, True])

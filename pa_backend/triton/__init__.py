@@ -415,7 +415,7 @@ def _reduce(L: "_Launch", bound, sinks, p: PAProblem):
         return bind(
             pa_decode_reduce_kernel, (L.items, c.Hkv), _REDUCE_VARY,
             ws_m, ws_l, ws_acc, sinks, p.out, p.context_lengths, chunks, L.queue,
-            p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.short, sp.P,
+            p.sliding_window, sp.few, sp.min_tokens, sp.long_tokens, sp.short, sp.P, L.max_tokens,
             p.out.stride(0), p.out.stride(1), p.context_lengths.stride(0),
             HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, ALIGN=L.align, HAS_SINKS=p.sinks is not None,
             RAGGED=not p.is_decode, QUEUE=L.queue_mode, SM_SLOTS=L.sm_slots,

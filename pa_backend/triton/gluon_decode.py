@@ -44,29 +44,28 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
     warpgroup_mma_wait
 
-CTX_CAP = gl.constexpr(1 << 30)
-
 
 @gluon.jit
-def _rows(p_cl, stride_cl, p_chunks, i_s, QL: gl.constexpr, RAGGED: gl.constexpr):
+def _rows(p_cl, stride_cl, p_chunks, i_s, max_tokens, QL: gl.constexpr, RAGGED: gl.constexpr):
     """(table row, first query row, rows, visible context) of work item i_s: the shipped pa_decode._rows_of
-    (decode: a sequence of QL rows; prefill: a chunk p_chunks[i_s] = (sequence, first row, rows, rows after))."""
+    (decode: a sequence of QL rows; prefill: a chunk p_chunks[i_s] = (sequence, first row, rows, rows after);
+    a context length clamped to [0, the table row's tokens] as there)."""
     if RAGGED:
         seq = gl.load(p_chunks + i_s * 4).to(gl.int64)
         q0 = gl.load(p_chunks + i_s * 4 + 1).to(gl.int64)
         nrows = gl.load(p_chunks + i_s * 4 + 2)
-        ctx = gl.minimum(gl.maximum(gl.load(p_cl + seq * stride_cl), 0), CTX_CAP) - gl.load(p_chunks + i_s * 4 + 3)
+        ctx = gl.minimum(gl.maximum(gl.load(p_cl + seq * stride_cl), 0), max_tokens) - gl.load(p_chunks + i_s * 4 + 3)
         ctx = gl.maximum(ctx, 0)
     else:
         seq = i_s
         q0 = i_s * QL
         nrows = QL
-        ctx = gl.minimum(gl.maximum(gl.load(p_cl + i_s * stride_cl), 0), CTX_CAP)
+        ctx = gl.minimum(gl.maximum(gl.load(p_cl + i_s * stride_cl), 0), max_tokens)
     return seq, q0, nrows, ctx
 
 
 @gluon.jit
-def _span(ctx, i_p, P, few_target, min_pt, long_pt, short_target, max_tokens, ALIGN: gl.constexpr):
+def _span(ctx, i_p, P, few_target, min_pt, long_pt, short_target, ALIGN: gl.constexpr):
     """(start, end, live partitions) of partition i_p of an item that sees ``ctx`` tokens: the shipped split
     (pa_decode._partition_span without a window, the small-work term included: the shipped reduce reads
     the partials of as many partitions as that rule gives)."""
@@ -77,7 +76,7 @@ def _span(ctx, i_p, P, few_target, min_pt, long_pt, short_target, max_tokens, AL
     pt = gl.maximum(gl.cdiv(gl.cdiv(ctx, p_s), ALIGN) * ALIGN, ALIGN)
     n_live = gl.cdiv(ctx, pt)
     start = i_p * pt
-    end = gl.maximum(gl.minimum(gl.minimum(start + pt, ctx), max_tokens), start)
+    end = gl.maximum(gl.minimum(start + pt, ctx), start)
     return start, end, n_live
 
 
@@ -252,8 +251,8 @@ def gluon_partition_kernel(
     i_s = gl.program_id(0).to(gl.int64)
     i_h = gl.program_id(1)
     i_p = gl.program_id(2)
-    seq, q0, nrows, ctx = _rows(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
-    start, end, n_live = _span(ctx, i_p, P, few_target, min_pt, long_pt, short_target, max_tokens, ALIGN)
+    seq, q0, nrows, ctx = _rows(p_cl, stride_cl, p_chunks, i_s, max_tokens, QL, RAGGED)
+    start, end, n_live = _span(ctx, i_p, P, few_target, min_pt, long_pt, short_target, ALIGN)
     K_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
     V_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=64, element_bitwidth=8, rank=2)
     V16_SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)

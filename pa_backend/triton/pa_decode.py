@@ -73,26 +73,26 @@
 #
 # Offsets: block ids, KV-head offsets into the caches and row offsets are int64 (caches > 2 GiB, any order
 # of their dimensions); offsets inside one (block, head) slice and inside one query / output row are int32
-# (the contract checks their spans). Token positions are int32: context lengths are clamped to [0, 2^30] where
-# they are read, the contract bounds a table at 2^30 tokens and a window below the table's width.
+# (the contract checks their spans). Token positions are int32: context lengths are clamped to [0, the table
+# row's tokens] where they are read, the contract bounds a table at 2^30 tokens and a window below its width.
 
 import triton
 import triton.language as tl
 
 RED_PC = tl.constexpr(16)  # partitions per load of the reduce's max pass
-# context lengths are clamped to [0, CTX_CAP] where they are read: the contract bounds a table at 2^30
-# tokens and a window below the table's width, so a length the buffer holds (the data is not checked:
-# a stale or corrupt entry, a negative padding value) keeps every position sum in int32
-CTX_CAP = tl.constexpr(1 << 30)
 
 
 @triton.jit
-def _clamped(ctx):
-    return tl.minimum(tl.maximum(ctx, 0), CTX_CAP)
+def _clamped(ctx, max_tokens):
+    """A context length as the kernels read it: clamped to [0, the table row's tokens]. The data is not
+    checked (a stale or corrupt entry, a negative padding value); a length past the row reads as the row,
+    positions included, in the partition and the reduce kernel alike. The contract bounds a table at 2^30
+    tokens and a window below the table's width, so every position sum stays in int32."""
+    return tl.minimum(tl.maximum(ctx, 0), max_tokens)
 
 
 @triton.jit
-def _rows_of(p_cl, stride_cl, p_chunks, i_s, QL: tl.constexpr, RAGGED: tl.constexpr):
+def _rows_of(p_cl, stride_cl, p_chunks, i_s, max_tokens, QL: tl.constexpr, RAGGED: tl.constexpr):
     """(table row, first query row, number of rows, visible context) of work item i_s.
 
     Decode: item = sequence, QL rows each. Prefill: item = a chunk of at most QL query rows of one
@@ -103,13 +103,13 @@ def _rows_of(p_cl, stride_cl, p_chunks, i_s, QL: tl.constexpr, RAGGED: tl.conste
         seq = tl.load(p_chunks + i_s * 4).to(tl.int64)
         q0 = tl.load(p_chunks + i_s * 4 + 1).to(tl.int64)
         nrows = tl.load(p_chunks + i_s * 4 + 2)
-        ctx = _clamped(tl.load(p_cl + seq * stride_cl)) - tl.load(p_chunks + i_s * 4 + 3)  # minus the rows after it
+        ctx = _clamped(tl.load(p_cl + seq * stride_cl), max_tokens) - tl.load(p_chunks + i_s * 4 + 3)  # minus the rows after it
         ctx = tl.maximum(ctx, 0)  # <= 0: no row of the chunk sees a token either way
     else:
         seq = i_s
         q0 = i_s * QL
         nrows = QL
-        ctx = _clamped(tl.load(p_cl + i_s * stride_cl))
+        ctx = _clamped(tl.load(p_cl + i_s * stride_cl), max_tokens)
     return seq, q0, nrows, ctx
 
 
@@ -300,14 +300,14 @@ def _store_rows(b_m, b_l, b_acc, p_sinks, p_out, q0, row, grp, m_valid, i_h, str
 
 
 @triton.jit
-def _max_partitions(p_cl, stride_cl, n_items, nrows, sliding_window, P, few_target, min_pt, long_pt, short_target,
-                    ALIGN: tl.constexpr):
+def _max_partitions(p_cl, stride_cl, n_items, nrows, sliding_window, P, max_tokens, few_target, min_pt, long_pt,
+                    short_target, ALIGN: tl.constexpr):
     """The most partitions any decode sequence of the batch splits into (<= P): the task space's
     partition bound, read from the context lengths on the device."""
     most = tl.full([], 1, tl.int32)
     for i0 in tl.range(0, n_items, 128):
         o = i0 + tl.arange(0, 128)
-        c = _clamped(tl.load(p_cl + o.to(tl.int64) * stride_cl, mask=o < n_items, other=0))
+        c = _clamped(tl.load(p_cl + o.to(tl.int64) * stride_cl, mask=o < n_items, other=0), max_tokens)
         n = _partition_span(c, nrows, sliding_window, P, few_target, min_pt, long_pt, short_target, ALIGN)[2]
         most = tl.maximum(most, tl.max(n, 0))
     return most
@@ -333,7 +333,7 @@ def _partition_task(
     o_d = tl.arange(0, D)
     row = o_m // G  # query row within the sequence (decode) or chunk (prefill)
     grp = o_m % G
-    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
+    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, max_tokens, QL, RAGGED)
     m_valid = (o_m < G * QL) & (row < nrows)
     p_qrow = p_q + (q0 + row)[:, None] * stride_q_t + (i_h * G + grp)[:, None] * stride_q_h + o_d[None, :]
     # Q scaled per row by a power of two (exact) into FP16's range
@@ -352,7 +352,7 @@ def _partition_task(
     lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, short_target, ALIGN)
     live_p_ = i_p < n_live
     start = lo + i_p * pt
-    end = tl.minimum(tl.minimum(start + pt, ctx), max_tokens)  # never past the table row
+    end = tl.minimum(start + pt, ctx)  # ctx: at most the table row's tokens (_clamped)
     end = tl.maximum(end, start)  # partitions past the span (start >= ctx) have no tiles
     # Tiles [u0, u1) are seen whole by every query row (keys up to the first row's position, from
     # the last row's window start): no masking there. The rest of [start, end) — a sliding
@@ -441,8 +441,8 @@ def pa_decode_partition_kernel(
     else:
         # tasks (item, KV head, partition), partition-major from the highest partition down (the
         # long sequences' partitions first, the short ones' last), bounded by the batch's longest split
-        n_part = _max_partitions(p_cl, stride_cl, n_items, QL, sliding_window, P, few_target, min_pt, long_pt, short_target,
-                                 ALIGN)
+        n_part = _max_partitions(p_cl, stride_cl, n_items, QL, sliding_window, P, max_tokens, few_target, min_pt, long_pt,
+                                 short_target, ALIGN)
         per_part = n_items * HKV
         n_tasks = n_part * per_part
         t = n_tasks
@@ -471,10 +471,10 @@ def pa_decode_partition_kernel(
             t = tl.atomic_add(p_queue, 1, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=("sliding_window", "few_target", "min_pt", "long_pt", "short_target", "P"))
+@triton.jit(do_not_specialize=("sliding_window", "few_target", "min_pt", "long_pt", "short_target", "P", "max_tokens"))
 def pa_decode_reduce_kernel(
     p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_cl, p_chunks, p_queue,
-    sliding_window, few_target, min_pt, long_pt, short_target, P,
+    sliding_window, few_target, min_pt, long_pt, short_target, P, max_tokens,
     stride_o_t, stride_o_h, stride_cl,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr,
     ALIGN: tl.constexpr, HAS_SINKS: tl.constexpr, RAGGED: tl.constexpr, QUEUE: tl.constexpr, SM_SLOTS: tl.constexpr,
@@ -486,7 +486,7 @@ def pa_decode_reduce_kernel(
     o_d = tl.arange(0, D)
     row = o_m // G
     grp = o_m % G
-    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)
+    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, max_tokens, QL, RAGGED)
     m_valid = (o_m < G * QL) & (row < nrows)
     lo, pt, n_live = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, short_target, ALIGN)
     base = (i_s * HKV + i_h) * P * BM
