@@ -170,16 +170,44 @@ def speed_ratios(rows: list, ours: str) -> list:
     return out
 
 
-def runs_note(times: list, full_gcs=None) -> str:
+def runs_note(times: list, full_gcs=None, steps=None) -> str:
     """The CSV note's part on the timed runs of one point: their range and every run in order, with the full
-    (oldest-generation) garbage collections during each where the engine runs in this process (``full_gcs``;
-    None: not counted). The batch-64 graph runs take ~0.37 s or ~0.58 s, and one engine's runs can switch
-    (twentieth session). Empty for a single run."""
+    (oldest-generation) garbage collections during each and the engine steps each took, where the engine
+    runs in this process (``full_gcs`` / ``steps``; None: not counted). The batch-64 graph runs take ~0.37 s
+    or ~0.58 s, and one engine's runs can switch (twentieth session): the steps tell a run that took more
+    steps (the scheduler) from one whose steps were slower. Empty for a single run."""
     if len(times) < 2:
         return ""
     note = f"; median of {len(times)} runs ({min(times):.4f}-{max(times):.4f} s); runs " + " ".join(
         f"{t:.4f}" for t in times)
-    return note + ("; full GCs " + " ".join(str(g) for g in full_gcs) if full_gcs is not None else "")
+    note += ("; full GCs " + " ".join(str(g) for g in full_gcs)) if full_gcs is not None else ""
+    return note + ("; steps " + " ".join(str(n) for n in steps) if steps is not None else "")
+
+
+@contextlib.contextmanager
+def counting_steps(enabled: bool = True):
+    """Counts the steps of an in-process vLLM engine while active: calls of its scheduler's ``schedule``
+    (the class's, so every engine built in this process) that scheduled at least one token. Yields a
+    one-element list holding the count, or None when not ``enabled`` (an engine in another process)."""
+    if not enabled:
+        yield None
+        return
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    count = [0]
+    schedule = Scheduler.__dict__["schedule"]
+
+    def counted(self, *args, **kwargs):
+        out = schedule(self, *args, **kwargs)
+        if getattr(out, "total_num_scheduled_tokens", 0) > 0:
+            count[0] += 1
+        return out
+
+    Scheduler.schedule = counted
+    try:
+        yield count
+    finally:
+        Scheduler.schedule = schedule
 
 
 def log(msg: str) -> None:
@@ -296,18 +324,21 @@ class Bench:
             try:
                 self.generate(llm, prompts, self.s.out_tokens)  # warm-up: same shapes, JIT and autotuning done
                 sync()
-                times, full_gcs = [], []
+                times, full_gcs, steps = [], [], []
                 for _ in range(self.s.repeats):  # the engine is host-bound: single runs vary 5-25%
                     gc0 = gc.get_stats()[-1]["collections"]  # this process's (vLLM's engine runs in it here)
-                    t0 = time.perf_counter()
-                    toks, _ = self.generate(llm, prompts, self.s.out_tokens)
-                    sync()
-                    times.append(time.perf_counter() - t0)
+                    with counting_steps(self.engine_in_process) as counted:
+                        t0 = time.perf_counter()
+                        toks, _ = self.generate(llm, prompts, self.s.out_tokens)
+                        sync()
+                        times.append(time.perf_counter() - t0)
                     full_gcs.append(gc.get_stats()[-1]["collections"] - gc0)
+                    steps.append(counted[0] if counted is not None else None)
                 dt = statistics.median(times)
                 n = sum(len(t) for t in toks)
-                note = self.throughput_note(prompts, toks) + runs_note(times, full_gcs if self.engine_in_process
-                                                                        else None)
+                inproc = self.engine_in_process
+                note = self.throughput_note(prompts, toks) + runs_note(times, full_gcs if inproc else None,
+                                                                        steps if inproc else None)
                 self.generated.setdefault((mode, max_len, batch), {}).setdefault(backend, []).append(toks)
                 self.row(backend, mode, max_len, batch, n, dt, note)
                 log(f"{backend} {mode} {self.length_name}={max_len} batch={batch}: {n} tokens in {dt:.3f} s = "

@@ -102,3 +102,28 @@ def test_same_tokens_compare_every_engine_of_each_backend(tmp_path):
     # the last FLYDSL engine differs in one sequence: found though the first engines agree
     assert graphs == [{"mode": "graphs", "max_model_len": 1024, "batch": 2, "a": "FLYDSL", "b": "TRITON_ATTN",
                        "identical_sequences": 1, "sequences": 2, "engines": (2, 2)}]
+
+
+def test_runs_note_gives_each_runs_engine_steps():
+    note = eb.runs_note([0.39, 0.62], [0, 0], [129, 193])
+    assert note.endswith("; full GCs 0 0; steps 129 193")
+    assert "steps" not in eb.runs_note([0.39, 0.62], None, None)
+
+
+def test_counting_steps_counts_scheduled_steps_and_restores_the_scheduler(monkeypatch):
+    sched = pytest.importorskip("vllm.v1.core.sched.scheduler")
+
+    class Out:
+        def __init__(self, n):
+            self.total_num_scheduled_tokens = n
+
+    plan = iter([3, 0, 64, 1])
+    monkeypatch.setattr(sched.Scheduler, "schedule", lambda self, *a, **k: Out(next(plan)))
+    fake = sched.Scheduler.__dict__["schedule"]
+    with eb.counting_steps() as count:
+        outs = [sched.Scheduler.schedule(None) for _ in range(4)]
+    assert count == [3]  # the step that scheduled nothing is not one
+    assert [o.total_num_scheduled_tokens for o in outs] == [3, 0, 64, 1]
+    assert sched.Scheduler.__dict__["schedule"] is fake
+    with eb.counting_steps(False) as count:
+        assert count is None
