@@ -90,7 +90,7 @@ def pa_decode(query, key_cache, value_cache, block_tables, context_lengths, key_
       [num_blocks, Hkv, block_size] fp32; a stored value reads as fp8 * scale.
     * ``block_tables`` [num_seqs, max_blocks] int32, at most 2^30 tokens wide; ``context_lengths``
       [num_seqs] int32 (the new tokens included; 0 <= length <= max_blocks * block_size: not checked on
-      the device, where the kernels clamp a length to that range, positions included). Table entries
+      the device, where the Triton kernels clamp a length to that range, positions included). Table entries
       past a sequence's extent are never read; an id outside [0, num_blocks) inside it is a corrupted table (the reference raises
       ValueError, the Triton kernels read block 0 instead: no load leaves the caches). Row i of a
       sequence attends tokens 0 .. context_length - query_length + i (causal among the new tokens), only

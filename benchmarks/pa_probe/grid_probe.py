@@ -40,8 +40,8 @@ def _sub(src, old, new):
 def variant_source(name):
     src = SRC
     if "exit" in name:
-        src = _sub(src, "    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)\n    m_valid",
-                   "    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, QL, RAGGED)\n"
+        src = _sub(src, "    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, max_tokens, QL, RAGGED)\n    m_valid",
+                   "    seq, q0, nrows, ctx = _rows_of(p_cl, stride_cl, p_chunks, i_s, max_tokens, QL, RAGGED)\n"
                    "    lo0, pt0, n_live0 = _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, short_target,\n"
                    "                                         ALIGN)\n"
                    "    if i_p >= n_live0:\n        return\n    m_valid")

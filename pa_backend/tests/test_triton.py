@@ -208,23 +208,25 @@ def test_write_kv_kept_launches_follow_their_arguments(monkeypatch):
     assert [ok for _, ok in taken] == [True]  # the repeated call only
 
 
-@pytest.mark.parametrize("shape", [dict(query_length=1), dict(query_length=4), dict(query_lengths=[5, 7])])
-def test_context_past_the_table_reads_as_the_table(shape):
+@pytest.mark.parametrize("shape,split", [(dict(query_length=1), None), (dict(query_length=1), 4),
+                                         (dict(query_length=4), None), (dict(query_lengths=[5, 7]), None)])
+def test_context_past_the_table_reads_as_the_table(shape, split):
     """A context longer than its table row reads as the row, positions included: the entries after it
     (here a poisoned next row pointing at a NaN page) are never read, and the output equals the call
     with the row's length (bit for bit: the split and the causal positions follow the clamped length).
     The GPU's split-K plans gave 1 ulp apart at ql 1 and the unclamped positions at ql 4 before the
-    clamp moved to where the length is read."""
+    clamp moved to where the length is read (``split`` 4: the ql 1 difference on CPU too)."""
     case = make_pa_case([20, 48], extra_table=0, spare_blocks=2, device=DEVICE, **shape)  # 3 blocks
     kw = case.kwargs
     nb = kw["key_cache"].shape[0]
     nan_page = sorted(set(range(nb)) - set(case.used_blocks))[0]
     big = torch.full((3, kw["block_tables"].shape[1]), nan_page, dtype=torch.int32, device=DEVICE)
     big[:2] = kw["block_tables"]
-    good = case.call("triton").clone()
+    extra = {} if split is None else dict(num_partitions=split)  # (pa_prefill takes no num_partitions)
+    good = case.call("triton", **extra).clone()
     for ctx in (49, 64, 10_000, 2**31 - 1):
         out = case.call("triton", block_tables=big[:2], out=torch.full_like(good, float("nan")),
-                        context_lengths=torch.tensor([20, ctx], dtype=torch.int32, device=DEVICE))
+                        context_lengths=torch.tensor([20, ctx], dtype=torch.int32, device=DEVICE), **extra)
         assert torch.equal(out, good), ctx
 
 
