@@ -1,7 +1,8 @@
 """Test session setup shared by every test folder.
 
 Without a GPU, Triton kernels run through Triton's interpreter: TRITON_INTERPRET must be set
-before triton is first imported, so it is set here, before any test module loads.
+before triton is first imported, so it is set here, before any test module loads; the interpreter
+then reads FP8 NaN bytes as NaN (``backend_core.interpreter``), as a GPU does.
 Tests marked ``gpu`` are skipped, with the reason, when torch sees no GPU.
 """
 
@@ -13,6 +14,10 @@ import torch
 HAS_GPU = torch.cuda.is_available() and torch.cuda.device_count() > 0
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ["TRITON_INTERPRET"] == "1":
+        from backend_core.interpreter import faithful_fp8_nan
+
+        faithful_fp8_nan()  # FP8 NaN bytes (the caches' poisoned pages) read as NaN, as on a GPU
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,64 @@
+"""Triton's CPU interpreter, made to read FP8 NaN bytes as NaN (as the GPUs do).
+
+The checks of this project poison every unused cache page with FP8 NaN bytes, so a stray read turns
+the output into NaN. Triton 3.6's interpreter decodes FP8 with plain bit arithmetic
+(``triton.runtime.interpreter._convert_float``): an e4m3fn NaN (0x7F / 0xFF) reads as +-480, so on
+CPU a stray read gave a finite, plausible answer and a kernel's NaN guard could be deleted with every
+CPU test still passing (a review, 2026-12-06). ``faithful_fp8_nan()`` wraps that function so those
+bytes decode to NaN; everything else decodes as before. (The interpreter does not take e4m3fnuz, AMD's
+FP8 of gfx942, at all: the CPU tests run those kernels only where they compile them.)
+
+Called by the test session (``conftest.py``) and by the CLI when it routes Triton through the
+interpreter (``verify`` / ``accuracy`` on a machine without a GPU). Nothing is patched on a GPU or
+where Triton is not installed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["faithful_fp8_nan"]
+
+_patched = False
+
+# FP8 formats with NaN encodings the interpreter loses: Triton dtype name -> (mask, NaN value after the mask)
+_NAN_BYTES = {"fp8e4nv": (0x7F, 0x7F)}  # e4m3fn: S.1111.111
+
+
+def faithful_fp8_nan() -> bool:
+    """Patch the interpreter's float conversion (once, idempotent). Returns whether the patch is in place;
+    False where Triton or its interpreter's ``_convert_float`` is missing (another Triton version: the
+    conversion then stays as that version does it)."""
+    global _patched
+    if _patched:
+        return True
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    convert = getattr(interpreter, "_convert_float", None)
+    if convert is None:
+        return False
+
+    def _convert_float(input, input_dtype, output_dtype, rounding_mode):
+        out = convert(input, input_dtype, output_dtype, rounding_mode)
+        rule = _NAN_BYTES.get(getattr(input_dtype, "name", ""))
+        if rule is None or output_dtype.primitive_bitwidth not in (16, 32):
+            return out
+        mask, value = rule
+        nan = (np.frombuffer(np.ascontiguousarray(input).tobytes(), dtype=np.uint8).reshape(np.shape(out)) & mask
+               ) == value
+        if not nan.any():
+            return out
+        bits = output_dtype.primitive_bitwidth
+        if output_dtype.is_bf16():
+            nan_bits = np.uint16(0x7FC0)
+        else:
+            nan_bits = np.array(np.nan, dtype=np.float16 if bits == 16 else np.float32).view(f"uint{bits}")
+        out = np.array(out, copy=True)
+        out[nan] = nan_bits
+        return out
+
+    interpreter._convert_float = _convert_float
+    _patched = True
+    return True
