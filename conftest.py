@@ -2,7 +2,7 @@
 
 Without a GPU, Triton kernels run through Triton's interpreter: TRITON_INTERPRET must be set
 before triton is first imported, so it is set here, before any test module loads; the interpreter
-then reads FP8 NaN bytes as NaN (``backend_core.interpreter``), as a GPU does.
+then treats NaN as a GPU does (``backend_core.interpreter``): FP8 NaN bytes read as NaN, maxNum.
 Tests marked ``gpu`` are skipped, with the reason, when torch sees no GPU.
 """
 
@@ -15,9 +15,9 @@ HAS_GPU = torch.cuda.is_available() and torch.cuda.device_count() > 0
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     if os.environ["TRITON_INTERPRET"] == "1":
-        from backend_core.interpreter import faithful_fp8_nan
+        from backend_core.interpreter import faithful_interpreter
 
-        faithful_fp8_nan()  # FP8 NaN bytes (the caches' poisoned pages) read as NaN, as on a GPU
+        faithful_interpreter()  # FP8 NaN bytes (the caches' poisoned pages) read as NaN, maxNum as on a GPU
 
 
 def pytest_collection_modifyitems(config, items):

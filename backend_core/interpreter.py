@@ -1,4 +1,5 @@
-"""Triton's CPU interpreter, made to read FP8 NaN bytes as NaN (as the GPUs do).
+"""Triton's CPU interpreter, made to treat NaN as the GPUs do: FP8 NaN bytes read as NaN, and
+``tl.maximum`` / ``tl.minimum`` return the non-NaN operand (IEEE maxNum / minNum, PTX's max / min).
 
 The checks of this project poison every unused cache page with FP8 NaN bytes, so a stray read turns
 the output into NaN. Triton 3.6's interpreter decodes FP8 with plain bit arithmetic
@@ -8,21 +9,46 @@ CPU test still passing (a review, 2026-12-06). ``faithful_fp8_nan()`` wraps that
 bytes decode to NaN; everything else decodes as before. (The interpreter does not take e4m3fnuz, AMD's
 FP8 of gfx942, at all: the CPU tests run those kernels only where they compile them.)
 
-Called by the test session (``conftest.py``) and by the CLI when it routes Triton through the
-interpreter (``verify`` / ``accuracy`` on a machine without a GPU). Nothing is patched on a GPU or
-where Triton is not installed.
+The interpreter's maxNum was NaN-propagating ``np.maximum``, so the paged decode's NVIDIA clear of V's
+NaN bytes (a maxNum with -448) could not run on CPU at all; with ``faithful_maxnum()`` a test runs it there.
+
+``faithful_interpreter()`` applies both. Called by the test session (``conftest.py``) and by the CLI when
+it routes Triton through the interpreter (``verify`` / ``accuracy`` on a machine without a GPU). Nothing
+is patched on a GPU or where Triton is not installed.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["faithful_fp8_nan"]
+__all__ = ["faithful_interpreter", "faithful_fp8_nan", "faithful_maxnum"]
 
 _patched = False
 
 # FP8 formats with NaN encodings the interpreter loses: Triton dtype name -> (mask, NaN value after the mask)
 _NAN_BYTES = {"fp8e4nv": (0x7F, 0x7F)}  # e4m3fn: S.1111.111
+
+
+def faithful_interpreter() -> bool:
+    """Both patches below; True where both are in place."""
+    return faithful_fp8_nan() & faithful_maxnum()
+
+
+def faithful_maxnum() -> bool:
+    """Patch the interpreter's ``maxnumf`` / ``minnumf`` (what ``tl.maximum`` / ``tl.minimum`` lower to) to IEEE
+    maxNum / minNum, as on NVIDIA GPUs (PTX max / min return the non-NaN operand; Triton 3.6's interpreter uses
+    NaN-propagating ``np.maximum``). Then a kernel path that relies on it (the paged decode's NVIDIA clear of V's
+    NaN bytes) can run on CPU. Idempotent; False where the interpreter's builder lacks them."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    if builder is None or not hasattr(builder, "create_maxnumf") or not hasattr(builder, "binary_op"):
+        return False
+    builder.create_maxnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmax)
+    builder.create_minnumf = lambda self, lhs, rhs: self.binary_op(lhs, rhs, np.fmin)
+    return True
 
 
 def faithful_fp8_nan() -> bool:

@@ -40,9 +40,9 @@ def _prepare_cpu_interpreter() -> Optional[str]:
     if "triton" in sys.modules and not platform.triton_interpreter_enabled():
         return "Triton was imported before TRITON_INTERPRET=1 could be set: Triton rows skipped"
     os.environ["TRITON_INTERPRET"] = "1"
-    from backend_core.interpreter import faithful_fp8_nan
+    from backend_core.interpreter import faithful_interpreter
 
-    faithful_fp8_nan()  # a stray read of a poisoned FP8 page must show as NaN on CPU too
+    faithful_interpreter()  # a stray read of a poisoned FP8 page must show as NaN on CPU too
     return "no GPU: Triton kernels run through TRITON_INTERPRET=1 on CPU tensors, small shapes"
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from backend_core import platform
-from backend_core.interpreter import faithful_fp8_nan
+from backend_core.interpreter import faithful_interpreter
 
 pytestmark = pytest.mark.skipif(platform.has_gpu() or not platform.triton_available()
                                 or not platform.triton_interpreter_enabled(),
@@ -13,10 +13,30 @@ pytestmark = pytest.mark.skipif(platform.has_gpu() or not platform.triton_availa
 
 
 def test_the_session_patched_the_interpreter():
-    """conftest applies it; a Triton without the converter this wraps must be noticed, not silently lose it."""
+    """conftest applies it; a Triton without the functions this wraps must be noticed, not silently lose it."""
     from backend_core import interpreter
 
-    assert interpreter._patched and faithful_fp8_nan()
+    assert interpreter._patched and faithful_interpreter()
+
+
+def test_maxnum_returns_the_number_as_a_gpu_does():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def extremes(x, y, N: tl.constexpr):
+        o = tl.arange(0, N)
+        a = tl.load(x + o)
+        b = tl.load(x + N + o)
+        tl.store(y + o, tl.maximum(a, b))
+        tl.store(y + N + o, tl.minimum(a, b))
+
+    nan = float("nan")
+    x = torch.tensor([nan, 1.0, nan, -3.0, 2.0, nan, nan, 5.0])
+    y = torch.zeros(8)
+    extremes[(1,)](x, y, N=4)
+    assert y[:4].nan_to_num(7.0).tolist() == [2.0, 1.0, 7.0, 5.0]  # NaN only where both are NaN
+    assert y[4:].nan_to_num(7.0).tolist() == [2.0, 1.0, 7.0, -3.0]
 
 
 def test_fp8_bytes_decode_as_torch_decodes_them():

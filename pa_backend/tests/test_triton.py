@@ -42,6 +42,33 @@ def test_decode_grid(v_layout, scales, ql, gqa):
                v_layout=v_layout, scales=scales), seed=ql * 10 + gqa)
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the GPU takes this path by itself (test_decode_grid there)")
+@pytest.mark.parametrize("params", [
+    dict(context_lengths=[3, 35, 17], query_length=3, Hq=8, Hkv=2, D=64, v_layout="4d", scales="token"),
+    dict(context_lengths=[3, 35, 17], query_length=1, Hq=2, Hkv=2, D=64, v_layout="5d", scales="tensor"),
+    dict(context_lengths=[70, 1], query_length=2, Hq=4, Hkv=1, D=64, block_size=64, v_layout="4d", sinks=True),
+])
+def test_nvidia_v_clear_on_the_interpreter(params, monkeypatch):
+    """The NVIDIA path clears V's NaN bytes (unused slots of a live page) with maxNum, which the interpreter
+    runs as a GPU does (backend_core.interpreter.faithful_maxnum): forced on here (its per-SM queue counters
+    off: the interpreter has no %smid), against the reference with NaN in every unused slot. Deleting that
+    clear, or the interpreter's NaN-propagating maxNum, fails these."""
+    import pa_backend.triton as T
+
+    monkeypatch.setattr(T, "_v_maxnum", lambda device: True)
+    monkeypatch.setattr(T, "QUEUE_SM_SLOTS", 0)
+    taken = []
+    real = T._Launch.__init__
+
+    def spy(self, *a, **k):
+        real(self, *a, **k)
+        taken.append(self.v_maxnum)
+
+    monkeypatch.setattr(T._Launch, "__init__", spy)
+    check(params, seed=5)
+    assert taken and all(taken)
+
+
 @pytest.mark.parametrize("bs", [32, 48, 80, 96, 112])
 @pytest.mark.parametrize("v_layout", ["4d", "5d"])
 def test_decode_and_prefill_any_multiple_of_16_block(bs, v_layout):
