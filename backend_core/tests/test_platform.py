@@ -118,3 +118,27 @@ def test_sm_version_from_the_arch():
     assert info("nvidia", "sm_90").sm_version == 90 and info("nvidia", "sm_89").sm_version == 89
     assert info("nvidia", "sm_100").sm_version == 100
     assert info("amd", "gfx950").sm_version == 0 and platform.device_info("cpu").sm_version == 0
+
+
+def test_resident_programs_from_a_kernels_registers_and_shared_memory(fake_gpus):
+    """The queue launches one wave of resident programs; on a GPU their count comes from the compiled kernel
+    (run only there before): registers are allocated per warp in units of 256, a block reserves 1 KB of
+    shared memory, and a CPU device or a kernel without its facts gets the estimate."""
+    from types import SimpleNamespace
+
+    props = nvidia_props("NVIDIA H100 80GB HBM3")
+    props.regs_per_multiprocessor, props.max_threads_per_multi_processor = 65536, 2048
+    props.shared_memory_per_multiprocessor = 233472  # 228 KB (sm_90)
+    fake_gpus([props], hip=False)
+
+    def kernel(regs, shared=0):
+        return SimpleNamespace(n_regs=regs, metadata=SimpleNamespace(shared=shared))
+
+    dev = "cuda:0"
+    assert platform.resident_programs(dev, 1, kernel(168)) == 12  # 21 x 256 registers a warp
+    assert platform.resident_programs(dev, 1, kernel(207)) == 9   # 26 x 256
+    assert platform.resident_programs(dev, 4, kernel(96)) == 5    # 12 x 256 a warp, 4 warps a program
+    assert platform.resident_programs(dev, 1, kernel(168, 20 * 1024)) == 10  # 228 KB / (20 + 1) KB
+    assert platform.resident_programs(dev, 1, kernel(32)) == 32  # the per-SM block limit
+    assert platform.resident_programs(dev, 1) == 12 and platform.resident_programs(dev, 4) == 3  # estimates
+    assert platform.resident_programs("cpu", 1, kernel(32)) == 1
