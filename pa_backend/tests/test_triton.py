@@ -418,11 +418,13 @@ def test_task_queue_only_for_shape_only_plans():
         assert ((out.double() - ref).norm() / ref.norm()).item() <= tolerance(DEVICE)
 
 
+@pytest.mark.parametrize("qk8", [False, True])
 @pytest.mark.parametrize("prefill", [False, True])
-def test_single_partition_writes_the_output_without_the_reduce(monkeypatch, prefill):
+def test_single_partition_writes_the_output_without_the_reduce(monkeypatch, prefill, qk8):
     """A plan whose items each take one partition (a short max context: what the adapters plan for
     small batches outside graphs) writes the output rows from the partition kernel: the reduce is
-    not launched. Sinks, a sliding window and a sequence with nothing to attend (zeros) included."""
+    not launched. Sinks, a sliding window and a sequence with nothing to attend (zeros) included.
+    ``qk8``: the 64-row programs' FP8 Q.K, on by default on NVIDIA (decode at ql 4 with GQA 16, prefill)."""
     from pa_backend import plan_decode, plan_prefill
     from pa_backend.triton import pa_decode as kmod
 
@@ -430,11 +432,15 @@ def test_single_partition_writes_the_output_without_the_reduce(monkeypatch, pref
         def __getitem__(self, grid):
             raise AssertionError("the reduce kernel was launched")
 
-    params = dict(context_lengths=[40, 0, 100, 9], Hq=8, Hkv=2, D=64, sinks=True, sliding_window=50)
+    ql = 4 if qk8 else 2
+    params = dict(context_lengths=[40, 0, 100, 9], Hq=32 if qk8 else 8, Hkv=2, D=64, sinks=True, sliding_window=50)
     if prefill:
         params.update(context_lengths=[40, 3, 100, 9], query_lengths=[5, 3, 16, 0])
     else:
-        params.update(query_length=2)
+        params.update(query_length=ql)
+    spy = _LaunchSpy(kmod.pa_decode_partition_kernel)
+    monkeypatch.setenv("FLYDSL_BACKENDS_PA_FP8_QK", "1" if qk8 else "0")
+    monkeypatch.setattr(kmod, "pa_decode_partition_kernel", spy)
     case = make_pa_case(**params, device=DEVICE, seed=7)
     kw = dict(case.kwargs)
     kw.pop("out")
@@ -444,7 +450,7 @@ def test_single_partition_writes_the_output_without_the_reduce(monkeypatch, pref
         plan = plan_prefill(kw["block_tables"], kw["query_start_loc"], kw["context_lengths"],
                             query_start_loc_host=kw["query_start_loc"].tolist(), max_context=100, backend="triton")
     else:
-        plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=2, max_context=100,
+        plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, max_context=100,
                            backend="triton")
     out = torch.full_like(kw["query"], float("nan"))
     with monkeypatch.context() as m:
@@ -452,11 +458,12 @@ def test_single_partition_writes_the_output_without_the_reduce(monkeypatch, pref
         plan.run(*(kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")),
                  sinks=kw["sinks"], sliding_window=kw["sliding_window"], out=out)
     assert next(iter(plan.state.values())).direct
+    assert spy.qk8 == [qk8]
     assert torch.isfinite(out).all()
     err = ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     assert err <= tolerance(DEVICE), err
     if not prefill:
-        assert (out[2:4] == 0).all()  # the sequence with context 0 attended nothing
+        assert (out[ql:2 * ql] == 0).all()  # the sequence with context 0 attended nothing
 
 
 class _LaunchSpy:
