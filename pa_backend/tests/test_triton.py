@@ -371,6 +371,48 @@ def test_task_queue_counters_are_zero_after_every_launch():
     assert not task_queue(DEVICE).any()
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the GPU takes this path by itself")
+def test_task_queue_per_sm_counters_on_the_interpreter(monkeypatch):
+    """NVIDIA's queue also caps the programs of one SM that take tasks (per-SM counters indexed by %smid, zeroed by
+    the reduce with the task counter). The interpreter has no inline asm: here %smid is faked (programs spread
+    over 132 SMs), with the NVIDIA launch facts forced (V_MAXNUM, 132 SMs, 256 slots). The output matches the
+    reference and the next launch, and every counter is zero after each launch."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    import pa_backend.triton as T
+    from pa_backend.planner import task_queue
+
+    smids = []
+
+    def fake_smid(self, asm, constraints, values, type, is_pure, pack):
+        if "%smid" not in asm:
+            raise NotImplementedError(f"inline asm {asm!r} in the interpreter")
+        sm = (int(self.grid_idx[0]) * 37 + 11) % 132
+        smids.append(sm)
+        handle = interpreter.TensorHandle(np.full(np.shape(values[0].data), sm, dtype=np.int32), tl.int32)
+        return SimpleNamespace(get_result=lambda i: handle)
+
+    monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", fake_smid)
+    monkeypatch.setattr(T, "_v_maxnum", lambda device: True)
+    real = T._Launch.__init__
+
+    def nvidia_like(self, *a, **k):
+        real(self, *a, **k)
+        self.sms, self.sm_slots = 132, 256
+
+    monkeypatch.setattr(T._Launch, "__init__", nvidia_like)
+    params = _queue_case()
+    first = check(params)
+    assert smids and len(set(smids)) > 1  # the per-SM path ran, over several SMs
+    assert not task_queue(DEVICE).any()
+    assert torch.equal(check(params), first)
+    assert not task_queue(DEVICE).any()
+
+
 def test_task_queue_is_reset_when_the_reduce_launch_fails(monkeypatch):
     """A failure between the two kernels (the reduce's launch raising) must not leave the counters
     drained: the launcher zeroes them, and the next call is whole."""
