@@ -14,7 +14,9 @@ import torch
 HAS_GPU = torch.cuda.is_available() and torch.cuda.device_count() > 0
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    if os.environ["TRITON_INTERPRET"] == "1":
+    from backend_core import platform
+
+    if platform.triton_interpreter_enabled():
         from backend_core.interpreter import faithful_interpreter
 
         faithful_interpreter()  # FP8 NaN bytes (the caches' poisoned pages) read as NaN, maxNum as on a GPU
