@@ -69,6 +69,20 @@ def test_nvidia_v_clear_on_the_interpreter(params, monkeypatch):
     assert taken and all(taken)
 
 
+@pytest.mark.parametrize("sms", [1, 16, 108, 148])
+def test_split_plans_of_other_gpus(sms, monkeypatch):
+    """The split-K plan sizes its partitions from the SM count (132 on CPU, as an H100 / H200): an A100's 108,
+    a B200's 148, a MIG slice's 16, and 1 give other partition counts, small-work splits and task spaces.
+    Decode (a one-warp queue program and a 64-row program, 128k-style wide tables) and a ragged prefill
+    against the float64 reference with NaN in every unused slot."""
+    from backend_core import platform
+
+    monkeypatch.setattr(platform, "sm_count", lambda device: sms)
+    check(dict(context_lengths=[40, 1, 333, 97, 0, 260], Hq=8, Hkv=2, D=64, extra_table=20), seed=sms)
+    check(dict(context_lengths=[300, 7], query_length=4, Hq=16, Hkv=1, D=64, scales="token"), seed=sms + 1)
+    check(dict(context_lengths=[200, 30], query_lengths=[70, 30], Hq=4, Hkv=2, D=64, v_layout="5d"), seed=sms + 2)
+
+
 @pytest.mark.parametrize("bs", [32, 48, 80, 96, 112])
 @pytest.mark.parametrize("v_layout", ["4d", "5d"])
 def test_decode_and_prefill_any_multiple_of_16_block(bs, v_layout):
