@@ -324,19 +324,20 @@ class Bench:
             try:
                 self.generate(llm, prompts, self.s.out_tokens)  # warm-up: same shapes, JIT and autotuning done
                 sync()
+                inproc = self.engine_in_process  # the engine's GCs and steps are this process's
                 times, full_gcs, steps = [], [], []
                 for _ in range(self.s.repeats):  # the engine is host-bound: single runs vary 5-25%
-                    gc0 = gc.get_stats()[-1]["collections"]  # this process's (vLLM's engine runs in it here)
-                    with counting_steps(self.engine_in_process) as counted:
+                    gc0 = gc.get_stats()[-1]["collections"]
+                    with counting_steps(inproc) as counted:
                         t0 = time.perf_counter()
                         toks, _ = self.generate(llm, prompts, self.s.out_tokens)
                         sync()
                         times.append(time.perf_counter() - t0)
                     full_gcs.append(gc.get_stats()[-1]["collections"] - gc0)
-                    steps.append(counted[0] if counted is not None else None)
+                    if counted is not None:
+                        steps.append(counted[0])
                 dt = statistics.median(times)
                 n = sum(len(t) for t in toks)
-                inproc = self.engine_in_process
                 note = self.throughput_note(prompts, toks) + runs_note(times, full_gcs if inproc else None,
                                                                         steps if inproc else None)
                 self.generated.setdefault((mode, max_len, batch), {}).setdefault(backend, []).append(toks)

@@ -42,6 +42,24 @@ def test_decode_grid(v_layout, scales, ql, gqa):
                v_layout=v_layout, scales=scales), seed=ql * 10 + gqa)
 
 
+def _launches(monkeypatch, **forced):
+    """Every Triton launch state (``_Launch``) made while ``monkeypatch`` holds, with the ``forced`` attributes
+    set after its own init (launch facts the interpreter's device lacks, e.g. NVIDIA's SM count)."""
+    import pa_backend.triton as T
+
+    made = []
+    init = T._Launch.__init__
+
+    def forcing(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for name, value in forced.items():
+            setattr(self, name, value)
+        made.append(self)
+
+    monkeypatch.setattr(T._Launch, "__init__", forcing)
+    return made
+
+
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the GPU takes this path by itself (test_decode_grid there)")
 @pytest.mark.parametrize("params", [
     dict(context_lengths=[3, 35, 17], query_length=3, Hq=8, Hkv=2, D=64, v_layout="4d", scales="token"),
@@ -57,16 +75,9 @@ def test_nvidia_v_clear_on_the_interpreter(params, monkeypatch):
 
     monkeypatch.setattr(T, "_v_maxnum", lambda device: True)
     monkeypatch.setattr(T, "QUEUE_SM_SLOTS", 0)
-    taken = []
-    real = T._Launch.__init__
-
-    def spy(self, *a, **k):
-        real(self, *a, **k)
-        taken.append(self.v_maxnum)
-
-    monkeypatch.setattr(T._Launch, "__init__", spy)
+    made = _launches(monkeypatch)
     check(params, seed=5)
-    assert taken and all(taken)
+    assert made and all(L.v_maxnum for L in made)
 
 
 @pytest.mark.parametrize("sms", [1, 16, 108, 148])
@@ -412,13 +423,7 @@ def test_task_queue_per_sm_counters_on_the_interpreter(monkeypatch):
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", fake_smid)
     monkeypatch.setattr(T, "_v_maxnum", lambda device: True)
-    real = T._Launch.__init__
-
-    def nvidia_like(self, *a, **k):
-        real(self, *a, **k)
-        self.sms, self.sm_slots = 132, 256
-
-    monkeypatch.setattr(T._Launch, "__init__", nvidia_like)
+    _launches(monkeypatch, sms=132, sm_slots=256)
     params = _queue_case()
     first = check(params)
     assert smids and len(set(smids)) > 1  # the per-SM path ran, over several SMs

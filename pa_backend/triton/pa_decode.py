@@ -103,7 +103,8 @@ def _rows_of(p_cl, stride_cl, p_chunks, i_s, max_tokens, QL: tl.constexpr, RAGGE
         seq = tl.load(p_chunks + i_s * 4).to(tl.int64)
         q0 = tl.load(p_chunks + i_s * 4 + 1).to(tl.int64)
         nrows = tl.load(p_chunks + i_s * 4 + 2)
-        ctx = _clamped(tl.load(p_cl + seq * stride_cl), max_tokens) - tl.load(p_chunks + i_s * 4 + 3)  # minus the rows after it
+        # minus the rows of the sequence after the chunk
+        ctx = _clamped(tl.load(p_cl + seq * stride_cl), max_tokens) - tl.load(p_chunks + i_s * 4 + 3)
         ctx = tl.maximum(ctx, 0)  # <= 0: no row of the chunk sees a token either way
     else:
         seq = i_s
@@ -441,8 +442,8 @@ def pa_decode_partition_kernel(
     else:
         # tasks (item, KV head, partition), partition-major from the highest partition down (the
         # long sequences' partitions first, the short ones' last), bounded by the batch's longest split
-        n_part = _max_partitions(p_cl, stride_cl, n_items, QL, sliding_window, P, max_tokens, few_target, min_pt, long_pt,
-                                 short_target, ALIGN)
+        n_part = _max_partitions(p_cl, stride_cl, n_items, QL, sliding_window, P, max_tokens, few_target, min_pt,
+                                 long_pt, short_target, ALIGN)
         per_part = n_items * HKV
         n_tasks = n_part * per_part
         t = n_tasks
