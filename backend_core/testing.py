@@ -172,6 +172,21 @@ def install_fake_aiter(monkeypatch, functions: dict, version: str = "0.0.0-stand
     flydsl_source.clear_cache()
 
 
+@contextlib.contextmanager
+def aiter_standin(monkeypatch, standin):
+    """While open, ``standin`` (a test module with ``functions()`` and a ``calls`` list) stands in for AITER's
+    FlyDSL entry points; the source selection is reset on exit. Yields ``standin``."""
+    from backend_core import flydsl_source
+
+    monkeypatch.delenv("FLYDSL_BACKENDS_SOURCE", raising=False)
+    install_fake_aiter(monkeypatch, standin.functions())
+    standin.calls.clear()
+    try:
+        yield standin
+    finally:
+        flydsl_source.clear_cache()
+
+
 def pretend_flydsl_device(monkeypatch, registry) -> None:
     """Make CPU tensors count as sitting on a FlyDSL-capable AMD GPU for ``registry``'s ``flydsl``
     implementation (contract tests drive the real dispatch path against stand-in kernels)."""

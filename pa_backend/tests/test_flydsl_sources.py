@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from backend_core import flydsl_source, platform
+from backend_core.testing import aiter_standin as aiter_standin_of
 from backend_core.testing import (amd_props, clear_device_memos, fake_gpus, install_fake_aiter, nvidia_props,
                                   pretend_flydsl_device)
 from pa_backend import REGISTRY, fp8_dtype_for, is_pa_decode_supported, pa_decode
@@ -21,11 +22,8 @@ from . import aiter_standin
 
 @pytest.fixture
 def standin(monkeypatch):
-    monkeypatch.delenv("FLYDSL_BACKENDS_SOURCE", raising=False)
-    install_fake_aiter(monkeypatch, aiter_standin.functions())
-    aiter_standin.calls.clear()
-    yield aiter_standin
-    flydsl_source.clear_cache()
+    with aiter_standin_of(monkeypatch, aiter_standin) as s:
+        yield s
 
 
 @pytest.fixture
