@@ -93,8 +93,11 @@ def run(p) -> torch.Tensor:
     if p.B == 0:
         return p.out
     idx = p.state_indices
-    if int(p.state.shape[0]) != int(p.conv_state.shape[0]):
-        idx = torch.where(idx >= p.num_slots, torch.full_like(idx, -1), idx)
+    if idx.dtype != torch.int32 or int(p.state.shape[0]) != int(p.conv_state.shape[0]):
+        # AITER takes int32 [B] indices and bounds them by its state cache only: every row the contract calls
+        # padding (outside [0, num_slots), int64 values past int32 included) reaches it as -1
+        live = (idx >= 0) & (idx < p.num_slots)
+        idx = torch.where(live, idx, torch.full_like(idx, -1)).to(torch.int32)
     out = p.out if p.out.is_contiguous() else torch.empty(p.out.shape, dtype=p.out.dtype, device=p.out.device)
     kw = dict(x=p.x, conv_weight=p.conv_weight, conv_bias=None, conv_state=p.conv_state, raw_beta=p.b.unsqueeze(0),
               A_log=p.A_log, dt_bias=p.dt_bias, lower_bound=p.lower_bound, state=p.state, state_indices=idx,

@@ -66,6 +66,19 @@ def test_aiter_mapping_pads_rows_between_the_two_cache_sizes(standin):
     assert res["ok"] and res["padding_zero"], res
 
 
+def test_aiter_mapping_takes_int64_indices_as_int32_with_padding_kept(standin):
+    """AITER takes int32 [B] indices; the contract also takes int64. An int64 index past int32 is padding, so it
+    must reach AITER as -1, not wrapped onto a live row (2**32 + 1 would wrap to row 1)."""
+    case = make_case(B=4, **K3, with_f_b=True, index_dtype=torch.int64, slots=8, seed=3)
+    kw = case.kwargs
+    kw["state_indices"] = torch.tensor([5, 2**32 + 1, 3, -2**40], dtype=torch.int64)
+    case.live_rows, case.live_slots = [0, 2], [5, 3]
+    assert kaiter.covers(clone_caches(case).problem())[0]
+    res = run_both(case, lambda c: kaiter.run(c.problem()))
+    assert res["ok"] and res["padding_zero"], res
+    assert standin.calls == ["flydsl_kda_decode_with_f_b"]
+
+
 @pytest.mark.parametrize("change,reason", [
     (dict(H=6), "built for H=12"),
     (dict(lower_bound=None), "safe gate only"),
