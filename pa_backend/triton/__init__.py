@@ -296,7 +296,7 @@ class _Launch:
         self.resident_key = (p.device, self.D, self.BM, self.bt, self.warps, self.stages, c.v_transposed,
                              c.k_per_token, c.v_per_token, not p.is_decode, register_cap(self.warps))
         self.v_maxnum = _v_maxnum(p.device)
-        self.qk8 = fp8_qk(p.device, c, self.BM)
+        self.qk8 = fp8_qk(p.device, c, self.BM, p.query.dtype)
         # per-SM program counters (NVIDIA: %smid): a power of two >= the SM count
         self.sm_slots = min(1 << (self.sms - 1).bit_length(), QUEUE_SM_SLOTS) if self.v_maxnum else 0
         cap = register_cap(self.warps, self.queue_mode, p.is_decode) if self.v_maxnum else None  # NVIDIA
@@ -484,7 +484,7 @@ def gluon_covers(p: PAProblem, window: bool = True) -> bool:
     with 16-byte strides), 16-token pages (larger ones spill 8 bytes), the 4-D value layout, per-tensor scales,
     no sliding window (``window=False``: whatever the window). Checked for every layer of a plan made for it."""
     c = p.cache
-    return (c.D == 128 and fp8_qk(p.device, c, 128) and _aligned16(c.key_cache, c.value_cache)
+    return (c.D == 128 and fp8_qk(p.device, c, 128, p.query.dtype) and _aligned16(c.key_cache, c.value_cache)
             and c.block_size == 16 and not c.v_transposed and not c.k_per_token and not c.v_per_token
             and (p.sliding_window == 0 or not window))
 
@@ -536,21 +536,23 @@ def _run_gluon(L: "_Launch", sinks, p: PAProblem, slots: Optional[int] = None,
     return p.out
 
 
-def fp8_qk(device: torch.device, cache, BM: int) -> bool:
+def fp8_qk(device: torch.device, cache, BM: int, query_dtype: torch.dtype) -> bool:
     """Whether the partition kernel's Q.K runs on FP8 tensor cores (pa_decode.py, ``QK8``): K goes from
     shared memory straight into the dots (no FP8 -> FP16 widening, no register round trip) and the BF16
     query enters as an exact pair of FP8 tiles (``_split_query_fp8``: q is not rounded). On by default
     for the wgmma programs (M >= 64 rows: multi-token decode, prefill) on NVIDIA sm_89+ with e4m3fn
-    caches. H200, 128k tables (benchmarks/pa_probe/mma8_H200_2026-12-04.txt): B=200/ql 4/200k 8.06 ->
-    5.69 ms, prefill B=4 x 2048 on a 6144 prefix 3.72 -> 3.21 ms, 2048 on a 30k prefix 4.10 -> 3.58 ms,
-    B=8 x 1024 509 -> 474 us; rel. error 1.71e-3 (1.65e-3 with FP16 dots). One-warp M = 16 programs keep
+    caches and BF16 queries. Never for FP16 queries (the override included): the pair holds 8 significant
+    bits, BF16's but not FP16's 11, so it would cut an FP16 query (rel. error 3.6e-3 against 2.2e-4 with
+    FP16 dots on a 40-row prefill). H200, 128k tables (benchmarks/pa_probe/mma8_H200_2026-12-04.txt):
+    B=200/ql 4/200k 8.06 -> 5.69 ms, prefill B=4 x 2048 on a 6144 prefix 3.72 -> 3.21 ms, 2048 on a 30k
+    prefix 4.10 -> 3.58 ms, B=8 x 1024 509 -> 474 us; rel. error 1.71e-3 (1.65e-3 with FP16 dots). One-warp M = 16 programs keep
     FP16 dots (their operands pass through registers anyway); AMD keeps them too (not run there).
     FLYDSL_BACKENDS_PA_FP8_QK=0 / 1 overrides the default (1 also runs it in Triton's interpreter, where
     the CPU tests check it)."""
     raw = os.environ.get("FLYDSL_BACKENDS_PA_FP8_QK", "").strip()
     if raw not in ("", "0", "1"):
         raise ValueError(f"FLYDSL_BACKENDS_PA_FP8_QK={raw!r}: expected 0 or 1")
-    if raw == "0" or BM < 64 or cache.key_cache.dtype != torch.float8_e4m3fn:
+    if raw == "0" or BM < 64 or cache.key_cache.dtype != torch.float8_e4m3fn or query_dtype != torch.bfloat16:
         return False
     if device.type == "cuda" and platform.is_hip():
         return False  # not run on AMD: the FP16 dots there
