@@ -12,7 +12,11 @@ FP8 of gfx942, at all: the CPU tests run those kernels only where they compile t
 The interpreter's maxNum was NaN-propagating ``np.maximum``, so the paged decode's NVIDIA clear of V's
 NaN bytes (a maxNum with -448) could not run on CPU at all; with ``faithful_maxnum()`` a test runs it there.
 
-``faithful_interpreter()`` applies both. Called by the test session (``conftest.py``) and by the CLI when
+Its BF16 -> FP32 widening lost BF16 subnormals (254 of the 65,536 patterns: 2^-133 read as 0, 5e-39 as 8e-39),
+so the Triton KV writer's bytes differed from the reference's for rows of subnormal BF16 on CPU only (a
+review, 2026-12-06); ``faithful_bf16_widening()`` makes that widening the exact ``bits << 16`` it is on a GPU.
+
+``faithful_interpreter()`` applies all three. Called by the test session (``conftest.py``) and by the CLI when
 it routes Triton through the interpreter (``verify`` / ``accuracy`` on a machine without a GPU). Nothing
 is patched on a GPU or where Triton is not installed.
 """
@@ -21,17 +25,44 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["faithful_interpreter", "faithful_fp8_nan", "faithful_maxnum"]
+__all__ = ["faithful_interpreter", "faithful_fp8_nan", "faithful_maxnum", "faithful_bf16_widening"]
 
 _patched = False
+_bf16_patched = False
 
 # FP8 formats with NaN encodings the interpreter loses: Triton dtype name -> (mask, NaN value after the mask)
 _NAN_BYTES = {"fp8e4nv": (0x7F, 0x7F)}  # e4m3fn: S.1111.111
 
 
 def faithful_interpreter() -> bool:
-    """Both patches below; True where both are in place."""
-    return faithful_fp8_nan() & faithful_maxnum()
+    """The three patches below; True where all are in place."""
+    return faithful_fp8_nan() & faithful_maxnum() & faithful_bf16_widening()
+
+
+def faithful_bf16_widening() -> bool:
+    """Patch the interpreter's float conversion so BF16 -> FP32 is exact (``bits << 16``; Triton 3.6 renormalizes
+    BF16 subnormals wrongly). Idempotent; False where the interpreter's ``_convert_float`` is missing."""
+    global _bf16_patched
+    if _bf16_patched:
+        return True
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    convert = getattr(interpreter, "_convert_float", None)
+    if convert is None:
+        return False
+
+    def _convert_float(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.bfloat16 and output_dtype == tl.float32:
+            bits = np.frombuffer(np.ascontiguousarray(input).tobytes(), dtype=np.uint16).astype(np.uint32) << 16
+            return bits.reshape(np.shape(input))
+        return convert(input, input_dtype, output_dtype, rounding_mode)
+
+    interpreter._convert_float = _convert_float
+    _bf16_patched = True
+    return True
 
 
 def faithful_maxnum() -> bool:

@@ -3,7 +3,11 @@ FP32 softmax. Readable loops over sequences; docs/design.md §4 is the specifica
 
 * ``dequantize_tokens`` reads tokens 0..n-1 of one sequence through its block table.
 * ``run_attention`` executes a validated decode or prefill problem.
-* ``run_write`` quantizes K/V into the cache (x / scale, saturating; per-token scales computed).
+* ``run_write`` quantizes K/V into the cache (x / scale, saturating; per-token scales computed; a NaN is the
+  one positive NaN byte, as the kernels store it, whatever sign the division gave on this device).
+
+Both run without autograd: they write the caller's buffers in place, as the kernels do, so a cache never
+becomes a graph node that keeps every written key alive, and a scale that requires grad is written too.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .contract import KVCache, PAProblem, WriteProblem
-from .fp8 import fp8_max
+from .fp8 import fp8_max, fp8_nan_byte
 
 __all__ = ["dequantize_tokens", "run_attention", "run_write", "attend_rows"]
 
@@ -64,6 +68,7 @@ def attend_rows(q, k, v, ctx: int, ql: int, *, softmax_scale: float, sliding_win
     return out
 
 
+@torch.no_grad()
 def run_attention(p: PAProblem, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     f = compute_dtype
     group = p.Hq // p.cache.Hkv
@@ -97,6 +102,7 @@ def run_attention(p: PAProblem, compute_dtype: torch.dtype = torch.float32) -> t
     return p.out
 
 
+@torch.no_grad()
 def run_write(p: WriteProblem) -> None:
     """Quantize and scatter all tokens at once (vectorized: test caches hold millions of tokens)."""
     c = p.cache
@@ -118,7 +124,9 @@ def run_write(p: WriteProblem) -> None:
             q = xf / sc[:, :, None]
         else:
             q = xf / scale.float()
-        q = q.clamp(-fmax, fmax).to(cache.dtype)
+        # a NaN's sign follows the device's division (x86's inf / inf is -NaN, CUDA's +NaN): one byte for all
+        nan = torch.tensor(fp8_nan_byte(cache.dtype), dtype=torch.uint8, device=q.device)
+        q = torch.where(q.isnan(), nan, q.clamp(-fmax, fmax).to(cache.dtype).view(torch.uint8)).view(cache.dtype)
         if is_key:  # key_cache[b, h, d // 16, t, d % 16]
             cache[b, :, :, off, :] = q.view(-1, c.Hkv, c.D // 16, 16)
         elif c.v_transposed:  # value_cache[b, h, t // 16, d, t % 16]

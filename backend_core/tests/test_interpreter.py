@@ -1,5 +1,6 @@
 """Triton's interpreter reads FP8 NaN bytes as NaN in this project's test sessions (backend_core.interpreter):
-without it a poisoned cache page read as +-480 and a stray read could not show on CPU."""
+without it a poisoned cache page read as +-480 and a stray read could not show on CPU. Also maxNum and BF16
+widening as on a GPU."""
 
 import pytest
 import torch
@@ -16,7 +17,25 @@ def test_the_session_patched_the_interpreter():
     """conftest applies it; a Triton without the functions this wraps must be noticed, not silently lose it."""
     from backend_core import interpreter
 
-    assert interpreter._patched and faithful_interpreter()
+    assert interpreter._patched and interpreter._bf16_patched and faithful_interpreter()
+
+
+def test_bf16_widens_exactly_as_a_gpu_does():
+    """Every BF16 pattern widens to FP32 as ``bits << 16`` (Triton 3.6's interpreter lost the 254 subnormal ones)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def widen(x, y, N: tl.constexpr):
+        o = tl.arange(0, N)
+        tl.store(y + o, tl.load(x + o).to(tl.float32))
+
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    y = torch.zeros(65536)
+    widen[(1,)](every, y, N=65536)
+    want = every.float()
+    assert torch.equal(y.isnan(), want.isnan())
+    assert torch.equal(y.nan_to_num(0.0).view(torch.int32), want.nan_to_num(0.0).view(torch.int32))
 
 
 def test_maxnum_returns_the_number_as_a_gpu_does():

@@ -83,6 +83,7 @@ def test_write_kv_non_finite_inputs_follow_the_reference(impl, scales):
     key[0, 1, 5] = float("nan")
     key[2, 0, 9] = -float("inf")
     value[1, 0, 7] = float("inf")
+    key[1, 1, 2] = -float("nan")  # a NaN with its sign bit set (per-token on x86: inf / inf is one too)
     key, value = key.to(DEVICE), value.to(DEVICE)
     out = {}
     for name in ("torch", impl):
@@ -93,6 +94,8 @@ def test_write_kv_non_finite_inputs_follow_the_reference(impl, scales):
         a, b = out["torch"][k].float(), out[impl][k].float()
         assert torch.equal(torch.isnan(a), torch.isnan(b)), k
         assert torch.equal(a.nan_to_num(1e30), b.nan_to_num(1e30)), k
+    # the same bytes, NaNs included: one NaN byte whatever the sign (the reference's followed the device's division)
+    assert same_bytes(out[impl], snap(out["torch"]))
     kc = out[impl]["key_cache"].float()
     assert torch.isnan(kc[free[0], 1, 0, 3, 5])  # the NaN element is a NaN byte, under either scale
     if scales == "token":  # the NaN token's scale is NaN, an inf token's scale is inf
@@ -100,6 +103,55 @@ def test_write_kv_non_finite_inputs_follow_the_reference(impl, scales):
         assert torch.isinf(out[impl]["value_scale"][free[0], 0, 4])
     else:  # an inf saturates
         assert kc[free[1], 0, 0, 5, 9] == -torch.finfo(kw["key_cache"].dtype).max
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("scales", ["tensor", "token"])
+def test_write_kv_bf16_subnormals_give_the_reference_bytes(impl, scales):
+    """Rows of BF16 subnormals (|x| < 2^-126) and tiny values: the writers' bytes are equal (Triton's interpreter
+    widened BF16 subnormals wrongly: backend_core.interpreter.faithful_bf16_widening)."""
+    c = case(scales=scales)
+    kw = c.kwargs
+    free = [b for b in range(kw["key_cache"].shape[0]) if b not in c.used_blocks]
+    slots = torch.tensor([free[0] * 16 + 1, free[0] * 16 + 2], dtype=torch.int64, device=DEVICE)
+    tiny = torch.linspace(-5e-39, 5e-39, 2 * 2 * 64).reshape(2, 2, 64)
+    key = tiny.bfloat16().to(DEVICE)
+    value = (tiny * 1e3).bfloat16().to(DEVICE)  # normal but tiny: scales near FP32's smallest normal
+    out = {}
+    for name in ("torch", impl):
+        kv = {k: kw[k].clone() for k in CACHE_ARGS}
+        write_kv(key, value, kv["key_cache"], kv["value_cache"], slots, kv["key_scale"], kv["value_scale"], backend=name)
+        out[name] = kv
+    assert same_bytes(out[impl], snap(out["torch"]))
+    assert not same_bytes(out["torch"], snap(kw))  # the write did something
+
+
+def test_reference_writer_runs_without_autograd():
+    """The torch writer (``auto`` on CPU) wrote the caches under autograd: a per-token scale that requires grad
+    failed mid-write (the key cache already written), and keys that require grad made the caches graph nodes
+    that kept every written key alive."""
+    import gc
+    import weakref
+
+    c = case(scales="token")
+    kw = c.kwargs
+    free = [b for b in range(kw["key_cache"].shape[0]) if b not in c.used_blocks]
+    kv = {k: kw[k].clone() for k in CACHE_ARGS}
+    kv["value_scale"] = torch.nn.Parameter(kv["value_scale"])
+    refs = []
+    for step in range(3):
+        key = torch.randn(1, 2, 64, device=DEVICE).bfloat16().requires_grad_(True)
+        write_kv(key, key.detach(), kv["key_cache"], kv["value_cache"],
+                 torch.tensor([free[0] * 16 + step], device=DEVICE), kv["key_scale"], kv["value_scale"],
+                 backend="torch")
+        refs.append(weakref.ref(key))
+        del key
+    gc.collect()
+    assert not any(r() is not None for r in refs)
+    for k in ("key_cache", "value_cache", "key_scale"):
+        assert kv[k].grad_fn is None and not kv[k].requires_grad, k
+    assert not same_bytes(kv, snap(kw))
+
 
 
 # --- 2. pa_decode / pa_prefill read context_lengths (and query_start_loc) through their strides ---

@@ -12,7 +12,8 @@
 # conversion is exact. That gives the same bytes as torch's conversion on every backend, including
 # Triton's CPU interpreter, whose own FP8 conversion mis-rounds when rounding carries into the exponent.
 # (Triton's fp32 `/` is the approximate div.full.f32 on NVIDIA: an ulp off torch's now and then.)
-# Non-finite inputs follow the reference too: a NaN is stored as an FP8 NaN (per-token: the token's scale
+# Non-finite inputs follow the reference too: a NaN is stored as the one positive FP8 NaN byte (the reference
+# drops the sign as well, which followed the device's division there; per-token: the token's scale
 # is NaN), an inf saturates to +-fp8_max under a per-tensor scale and makes a per-token scale inf (the
 # element itself inf / inf = NaN, the token's finite elements 0).
 
