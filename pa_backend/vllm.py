@@ -129,6 +129,29 @@ def _spec_query_length(vllm_config) -> int:
     return 1 + (int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0)
 
 
+def _refuse_multi_step_draft_on_rocm(vllm_config) -> None:
+    """A draft model on FLYDSL (``speculative_config.attention_backend``) drafting more than one token in steps:
+    on ROCm, vLLM 0.33's drafter checks every draft step's metadata against its own backends' types
+    (``v1/spec_decode/llm_base_proposer.py``, ``allowed_attn_types``) and would raise at the first drafting step.
+    Refused here, at start-up, with what works."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    backend = getattr(spec, "attention_backend", None)
+    n = int(getattr(spec, "num_speculative_tokens", 0) or 0)
+    if backend is None or n <= 1 or getattr(spec, "parallel_drafting", False):
+        return
+    try:
+        path = backend.get_path()
+    except Exception:  # an enum member without a registered class: not this backend
+        return
+    from vllm.platforms import current_platform
+
+    if path == f"{__name__}.FlyDSLAttentionBackend" and current_platform.is_rocm():
+        raise ValueError(f"speculative_config.attention_backend={backend.name} with num_speculative_tokens={n}: on "
+                         "ROCm, vLLM 0.33 drafts several tokens only on its own attention backends. Leave the "
+                         "draft's attention_backend unset (vLLM picks one for the draft; the target model still "
+                         "runs on FLYDSL), or draft one token per step")
+
+
 def _fp8_dtype():
     from vllm.platforms import current_platform
 
@@ -198,7 +221,8 @@ def _build_backend_class():
             if spec.state_content_bytes is not None:
                 return spec
             if spec.head_size != spec.head_size_v:
-                return spec  # rejected by validate_configuration / the impl with the reason
+                return spec  # unchanged: kv_cache_views refuses it at the first forward (no vLLM 0.33 model
+                # routes such layers here: the two that have them hard-wire their own backends)
             return replace(spec, num_head_slots=2,
                            state_content_bytes=spec.num_kv_heads * spec.head_size * get_dtype_size(spec.dtype))
 
@@ -241,6 +265,7 @@ def _build_builder_class():
 
         def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
             super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+            _refuse_multi_step_draft_on_rocm(vllm_config)
             if getattr(kv_cache_spec, "non_causal", False):
                 # e.g. a prefix-LM decoder (PrefillPrefixLMAttention), whose layers validate as plain decoders
                 raise ValueError(f"--attention-backend FLYDSL serves causal attention; layers {list(layer_names)[:2]} "

@@ -330,6 +330,40 @@ def test_graph_support_drops_for_long_speculation(model_dir):
         builder.build_for_cudagraph_capture(H.common_metadata(mixed, H.block_rows(mixed, 2)))
 
 
+@pytest.mark.parametrize("backend_name, n, parallel, rocm, refused", [
+    ("FLYDSL", 2, False, True, True),
+    ("CUSTOM", 3, False, True, True),
+    ("FLYDSL", 1, False, True, False),  # one draft token: vLLM skips its check
+    ("FLYDSL", 3, True, True, False),  # parallel drafting: skipped too
+    ("FLYDSL", 3, False, False, False),  # CUDA: no allow-list
+    ("TRITON_ATTN", 3, False, True, False),  # the draft on vLLM's own backend
+])
+def test_draft_model_on_flydsl_drafting_several_tokens_on_rocm_is_refused_at_start_up(
+        model_dir, monkeypatch, backend_name, n, parallel, rocm, refused):
+    """vLLM 0.33's ROCm drafter accepts only its own backends' metadata for sequential multi-token drafts
+    (llm_base_proposer.py, allowed_attn_types): a draft on FLYDSL failed at the first drafting step."""
+    from types import SimpleNamespace
+
+    from flydsl_backends.plugins import register_vllm
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    register_vllm()
+    spec = H.backend_spec()
+    vc = H.vllm_config(model_dir, block_size=spec.block_size)
+    monkeypatch.setattr(type(current_platform), "is_rocm", lambda self=None: rocm)
+    vc.speculative_config = SimpleNamespace(attention_backend=AttentionBackendEnum[backend_name],
+                                            num_speculative_tokens=n, parallel_drafting=parallel)
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(vc):
+        if refused:
+            with pytest.raises(ValueError, match="attention_backend unset"):
+                pav.FlyDSLAttentionMetadataBuilder(spec, LAYERS, vc, torch.device("cpu"))
+        else:
+            pav.FlyDSLAttentionMetadataBuilder(spec, LAYERS, vc, torch.device("cpu"))
+
+
 def test_profiling_run_and_unsupported_impl_args():
     impl = H.make_impl()
     out = torch.full((3, H.HQ, H.D), float("nan"), dtype=torch.bfloat16)
