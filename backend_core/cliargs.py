@@ -4,8 +4,9 @@ value is refused by argparse with the flag's name, before any work starts."""
 from __future__ import annotations
 
 import argparse
+import math
 
-__all__ = ["positive_int", "nonnegative_int", "comma_list"]
+__all__ = ["positive_int", "nonnegative_int", "finite_float", "comma_list"]
 
 
 def _int_at_least(lo: int, what: str):
@@ -22,6 +23,17 @@ def _int_at_least(lo: int, what: str):
 
 positive_int = _int_at_least(1, "a positive integer")  # argparse type: an integer >= 1
 nonnegative_int = _int_at_least(0, "an integer >= 0")  # argparse type: an integer >= 0
+
+
+def finite_float(text: str) -> float:
+    """argparse type: a finite float (not nan / inf)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return v
 
 
 def comma_list(choices=None, item=str):

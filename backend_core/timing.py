@@ -25,7 +25,7 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
-__all__ = ["Timing", "time_cuda_graph", "time_eager", "copy_bandwidth_gbps", "git_commit", "write_rows", "RESULT_FIELDS",
+__all__ = ["Timing", "time_cuda_graph", "time_eager", "copy_bandwidth_gbps", "git_commit", "write_rows", "check_out", "RESULT_FIELDS",
            "BenchContext", "bench_context", "result_row"]
 
 
@@ -147,6 +147,29 @@ RESULT_FIELDS = ["date", "commit", "device", "op", "impl", "shape", "us", "p10_u
 
 def today() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+
+
+def check_out(path: Path) -> Optional[str]:
+    """Why ``write_rows`` could not append to ``path`` (one line), or None. Checked before a benchmark runs, so a
+    bad path costs no timings: a folder, a parent that is a file, a file that cannot be opened for appending, or
+    an existing file whose first line is not this CSV's header (it would get rows of another format)."""
+    path = Path(path)
+    if path.is_dir():
+        return f"{path} is a folder; give a CSV file path"
+    parent = next((q for q in path.parents if q.exists()), None)
+    if parent is not None and not parent.is_dir():
+        return f"{parent} is not a folder"
+    if path.exists() and path.stat().st_size:
+        try:
+            with path.open(newline="") as f:
+                first = f.readline().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            return f"{path} cannot be read ({exc})"
+        if first != ",".join(RESULT_FIELDS):
+            return f"{path} exists and is not a results CSV of this format (its first line is {first[:60]!r})"
+    if path.exists() and not os.access(path, os.W_OK) or not os.access(parent or Path("."), os.W_OK):
+        return f"{path} is not writable"
+    return None
 
 
 def write_rows(path: Path, rows: Iterable[Dict[str, object]]) -> Path:

@@ -66,6 +66,11 @@ def cmd_info(args) -> int:
             status = reg.status()
             for name, ok, why in status:
                 print(f"  {name:<7} {'available' if ok else 'unavailable':<12} {why}")
+            forced = reg.requested_backend("auto")  # the override in effect ("auto": none)
+            if forced != "auto":
+                usable = any(name == forced and ok for name, ok, _ in status)
+                print(f"  {reg.env_var}={forced} is set: every call runs {forced}"
+                      + ("" if usable else f", which is unavailable here, so every {opname} call will raise"))
             if any(name == "flydsl" for name, _, _ in status):  # under the op that has a FlyDSL implementation
                 print(f"  flydsl sources ({_source_env()}; auto prefers AITER where it covers the call):")
                 for src, ok, why in op.sources():
@@ -108,6 +113,9 @@ def _family_table(args, title: str, run_family, bound_legend=None) -> int:
     families = _ops.OPS if args.op == "all" else (_ops.get(args.op),)
     # --backend is repeatable and takes comma lists; a name no family has is refused before anything runs
     wanted = {n.strip() for b in (args.backend or ()) for n in b.split(",") if n.strip()}
+    if args.backend and not wanted:
+        print(f"--backend: no implementation named in {args.backend!r}")
+        return 2
     known = {n for fam in families for n, _, _ in fam.registry().status()}
     if wanted - known:
         print(f"--backend: unknown implementation(s) {sorted(wanted - known)}; expected some of {sorted(known)}")
@@ -127,6 +135,10 @@ def _family_table(args, title: str, run_family, bound_legend=None) -> int:
                     not_run.append(f"{op}/{n}")
         t0 = time.time()
         rows = job()
+        ran = {r["impl"] for r in rows if not r.get("skipped")}
+        for n in impls:  # asked for, available, but declined every case: not checked either
+            if n in wanted and n not in ran:
+                not_run.append(f"{op}/{n} (skipped on every case)")
         legend = bound_legend(fam) if bound_legend else None
         bound_head = f" {'bound':>9}" if legend else ""
         print(f"\n{'op':<5} {'impl':<7} {'result':<6} {'out err':>9} {'state err':>9}{bound_head}  case"
@@ -181,7 +193,7 @@ def cmd_accuracy(args) -> int:
 
 def cmd_bench(args) -> int:
     from backend_core import platform
-    from backend_core.timing import today, write_rows
+    from backend_core.timing import check_out, today, write_rows
 
     if not platform.has_gpu() and not getattr(args, "host", False):
         print("bench needs a CUDA/ROCm GPU; this machine has none (timings on the CPU interpreter mean nothing); "
@@ -199,11 +211,22 @@ def cmd_bench(args) -> int:
     if getattr(args, "host", False) and args.out:
         print("--out: `bench pa --host` prints its figures and writes no CSV", file=sys.stderr)
         return 2
+    dev = platform.device_info().name.replace(" ", "_")
+    out = Path(args.out) if args.out else Path("benchmarks/results") / f"{args.op}_decode_{dev}_{today()}.csv"
+    bad = None if getattr(args, "host", False) else check_out(out)
+    if bad:  # before any timing: a bad path must not cost the run
+        print(f"--out: {bad}", file=sys.stderr)
+        return 2
+    if not getattr(args, "host", False):
+        usable = [n for n in args.impl if any(n in reg.names() and reg.get(n).is_available()[0]
+                                                 for reg in fam.op_registries().values())]
+        if not usable:
+            print(f"--impl: none of {', '.join(args.impl)} can run here (`flydsl-backends info` says why); "
+                  "nothing to time", file=sys.stderr)
+            return 2
     rows = fam.run_bench(args)
     if isinstance(rows, int):  # the op printed its own result
         return rows
-    dev = platform.device_info().name.replace(" ", "_")
-    out = Path(args.out) if args.out else Path("benchmarks/results") / f"{args.op}_decode_{dev}_{today()}.csv"
     write_rows(out, rows)
     print(f"{len(rows)} rows appended to {out}")
     return 0
@@ -230,7 +253,7 @@ def _environment_error() -> Optional[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flydsl-backends", description=__doc__.split("\n\n")[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log implementation choices")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{info,verify,accuracy,bench}")
     i = sub.add_parser("info", help="platform and implementation availability")
     i.add_argument("--resources", action="store_true",
                    help="also compile every shipped FlyDSL specialization for gfx950/gfx942 and print VGPR/LDS/...")
@@ -260,10 +283,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    helping = any(a in ("-h", "--help") for a in (sys.argv[1:] if argv is None else argv))
     bad = _environment_error()  # first: building the parser imports the families, which read some of them
     if bad is not None:
         print(f"error: {bad}", file=sys.stderr)
-        return 2
+        if not helping:
+            return 2
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     return {"info": cmd_info, "verify": cmd_verify, "accuracy": cmd_accuracy, "bench": cmd_bench}[args.cmd](args)

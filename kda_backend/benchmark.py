@@ -135,7 +135,7 @@ def run_bench(batches: Sequence[int] = (1, 32, 128), H: int = 12, K: int = 128, 
 
 def add_bench_args(parser) -> None:
     """``flydsl-backends bench kda`` flags."""
-    from backend_core.cliargs import comma_list, positive_int
+    from backend_core.cliargs import comma_list, finite_float, positive_int
 
     parser.add_argument("--batches", default=[1, 32, 128], type=comma_list(item=positive_int),
                         help="kda: comma list of batch sizes (default 1,32,128)")
@@ -145,7 +145,7 @@ def add_bench_args(parser) -> None:
                         help="kda: comma list of fp32/bf16 (default both)")
     parser.add_argument("--f-b", default=["off", "on"], type=comma_list(("off", "on")),
                         help="kda: comma list of off/on (default both)")
-    parser.add_argument("--lower-bound", type=float, default=None, help="kda: safe-gate lower bound (Kimi-K3: -5)")
+    parser.add_argument("--lower-bound", type=finite_float, default=None, help="kda: safe-gate lower bound (Kimi-K3: -5)")
     parser.add_argument("--no-fla", action="store_true", help="kda: skip the composed fla-core baseline")
 
 

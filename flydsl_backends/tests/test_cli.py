@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 
+from backend_core.testing import clear_device_memos, fake_gpus, nvidia_props
 from flydsl_backends import cli
 
 
@@ -57,6 +58,80 @@ def test_verify_says_when_what_was_asked_for_did_not_run(capsys, monkeypatch):
     assert "kda   torch   PASS" in capsys.readouterr().out
 
 
+def test_verify_is_not_a_pass_when_an_asked_for_implementation_declined_every_case(capsys, monkeypatch):
+    """An implementation asked for with --backend that is available but skips every case (on AMD: FlyDSL's
+    coverage) was counted as a pass next to another implementation's rows; an empty --backend is refused."""
+    import kda_backend.verify as kv
+
+    real = kv.run_verify
+
+    def skipping(impls, device, small=False, **kw):
+        rows = real(impls, device, small, **kw)
+        return [dict(r, skipped="pretend: declined") if r["impl"] == "torch" else r for r in rows]
+
+    monkeypatch.setattr(kv, "run_verify", skipping)
+    assert cli.main(["verify", "--op", "kda", "--backend", "triton,torch"]) == 2
+    assert "not checked: kda/torch (skipped on every case)" in capsys.readouterr().out
+    assert cli.main(["verify", "--backend", ","]) == 2
+    assert "--backend: no implementation named" in capsys.readouterr().out
+
+
+def test_info_names_an_active_override(capsys, monkeypatch):
+    """FLYDSL_BACKENDS_PA=flydsl where FlyDSL cannot run: every call raises, and ``info`` says so."""
+    monkeypatch.setenv("FLYDSL_BACKENDS_PA", "flydsl")
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "FLYDSL_BACKENDS_PA=flydsl is set" in out and "every pa_decode call will raise" in out
+
+
+def test_help_works_with_a_malformed_environment(capsys, monkeypatch):
+    monkeypatch.setenv("FLYDSL_BACKENDS_KDA", "bogus")
+    with pytest.raises(SystemExit) as ei:
+        cli.main(["--help"])
+    assert ei.value.code == 0
+    assert "FLYDSL_BACKENDS_KDA" in capsys.readouterr().err
+    assert cli.main(["info"]) == 2
+
+
+@pytest.fixture
+def fake_nvidia(monkeypatch):
+    """torch sees an NVIDIA GPU (no GPU needed): ``bench`` gets past its GPU check."""
+    fake_gpus(monkeypatch, [nvidia_props()], hip=False)
+    yield
+    monkeypatch.undo()
+    clear_device_memos()
+
+
+def test_bench_out_is_checked_before_anything_is_timed(tmp_path, capsys, monkeypatch, fake_nvidia):
+    """A folder, a file of another format, or a path under a file was found only after the whole run (a
+    traceback, the timings lost), and a file of another format got rows appended under its header."""
+    from backend_core.timing import RESULT_FIELDS, check_out
+
+    other = tmp_path / "other.csv"
+    other.write_text("date,commit,device,backend,mode\n")
+    ours = tmp_path / "ours.csv"
+    ours.write_text(",".join(RESULT_FIELDS) + "\n")
+    notes = tmp_path / "README.md"
+    notes.write_text("# notes\n")
+    assert check_out(tmp_path / "new" / "x.csv") is None and check_out(ours) is None
+    assert "folder" in check_out(tmp_path)
+    assert "not a results CSV" in check_out(other) and "not a results CSV" in check_out(notes)
+    assert "not a folder" in check_out(notes / "x.csv")
+    ran = []
+    import pa_backend.benchmark as pb
+
+    monkeypatch.setattr(pb, "bench_cli", lambda args: ran.append(args) or [])
+    for bad in (tmp_path, other, notes):
+        assert cli.main(["bench", "pa", "--out", str(bad)]) == 2
+        assert "--out: " in capsys.readouterr().err
+    assert other.read_text() == "date,commit,device,backend,mode\n" and not ran
+
+
+def test_bench_with_nothing_to_time_is_refused(capsys, fake_nvidia):
+    assert cli.main(["bench", "pa", "--impl", "flydsl", "--out", os.devnull + ".csv"]) == 2
+    assert "nothing to time" in capsys.readouterr().err
+
+
 def test_accuracy_passes_here_and_fails_on_a_biased_state(monkeypatch, capsys):
     """``accuracy`` runs both families' long-horizon checks (a few steps here) and turns a state that drifts
     (a bias of 1e-3 per step: far below one step's tolerance in ``verify``) into a failure."""
@@ -101,6 +176,8 @@ def test_bench_kda_host_says_it_is_the_paged_ops_mode(capsys):
     (["bench", "kda", "--state-dtypes", "fp16"], "--state-dtypes"),
     (["bench", "kda", "--f-b", "yes"], "--f-b"),
     (["accuracy", "--steps", "0"], "--steps"),
+    (["bench", "kda", "--lower-bound", "nan"], "--lower-bound"),
+    (["bench", "kda", "--lower-bound", "-inf"], "--lower-bound"),
 ])
 def test_bad_flag_values_are_refused_by_name(argv, flag, capsys):
     """A bad value is one argparse error naming its flag (exit 2) before any work: no traceback after the
