@@ -96,7 +96,8 @@ def _print_resources() -> int:
 
 def _family_table(args, title: str, run_family, bound_legend=None) -> int:
     """What ``verify`` and ``accuracy`` share: the device, each family's rows (``run_family(fam, impls, device,
-    small)`` returns a function making them, or None when the family has no such run), one table per family,
+    small)`` returns a function of a per-row ``progress`` callback making them, or None when the family has no
+    such run; a line every 10 s says how far a long family has got), one table per family,
     the summary; exit status 1 on any failure. ``bound_legend(fam)``: a bound column and what it bounds."""
     note = _prepare_cpu_interpreter()
     import torch
@@ -133,8 +134,17 @@ def _family_table(args, title: str, run_family, bound_legend=None) -> int:
                 print(f"  {op}/{n}: not run ({why})")
                 if n in wanted:
                     not_run.append(f"{op}/{n}")
-        t0 = time.time()
-        rows = job()
+        t0 = last = time.time()
+        done = 0
+
+        def tick(_row):
+            nonlocal done, last
+            done += 1
+            if time.time() - last >= 10:
+                last = time.time()
+                print(f"  {op}: {done} cases run ({last - t0:.0f} s)", flush=True)
+
+        rows = job(tick)
         ran = {r["impl"] for r in rows if not r.get("skipped")}
         for n in impls:  # asked for, available, but declined every case: not checked either
             if n in wanted and n not in ran:
@@ -169,7 +179,8 @@ def _family_table(args, title: str, run_family, bound_legend=None) -> int:
 
 
 def cmd_verify(args) -> int:
-    return _family_table(args, "verify", lambda fam, impls, device, small: lambda: fam.run_verify(impls, device, small))
+    return _family_table(args, "verify", lambda fam, impls, device, small:
+                         lambda progress: fam.run_verify(impls, device, small, progress=progress))
 
 
 def cmd_accuracy(args) -> int:
@@ -184,7 +195,7 @@ def cmd_accuracy(args) -> int:
     def run(fam, impls, device, small):
         if fam.accuracy is None:
             return None
-        return lambda: fam.run_accuracy(impls, device, steps, small, step_progress=progress)
+        return lambda rows: fam.run_accuracy(impls, device, steps, small, progress=rows, step_progress=progress)
 
     return _family_table(args, f"accuracy, {steps} decode steps against float64,", run,
                          lambda fam: "of the state error; the output may add 1e-2" if fam.name == "kda"
