@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,8 +66,8 @@ def read_score(path, task: str = "gsm8k", filter_name: str = "strict-match") -> 
     if key not in metrics:
         raise ResultsError(f"{path}: metric {key!r} absent for {task} (metrics: {sorted(metrics)})")
     value = metrics[key]
-    if not isinstance(value, (int, float)):
-        raise ResultsError(f"{path}: {key} = {value!r} is not a number")
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ResultsError(f"{path}: {key} = {value!r} is not a finite number")
     stderr = metrics.get(f"exact_match_stderr,{filter_name}")
     n = (data.get("n-samples") or {}).get(task, {}).get("effective")
     shots = (data.get("n-shot") or {}).get(task)
@@ -89,13 +90,24 @@ def _line(name: str, s: Score) -> str:
     return f"{name:8s} {s.value:.4f}{err}  (n={s.n}, {s.num_fewshot}-shot)  {s.path}"
 
 
+def _tolerance(text: str) -> float:
+    """argparse type: a finite number >= 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return v
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("flydsl", help="lm-eval results (file or --output_path directory) of the FLYDSL server")
     ap.add_argument("default", help="lm-eval results of the framework's default backend")
     ap.add_argument("--task", default="gsm8k")
     ap.add_argument("--filter", default="strict-match", help="lm-eval filter name (strict-match, flexible-extract)")
-    ap.add_argument("--tolerance", type=float, default=0.01, help="largest allowed |difference| (0.01 = 1 point)")
+    ap.add_argument("--tolerance", type=_tolerance, default=0.01, help="largest allowed |difference| (0.01 = 1 point)")
     args = ap.parse_args(argv)
     try:
         fly = read_score(args.flydsl, args.task, args.filter)

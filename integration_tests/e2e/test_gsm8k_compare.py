@@ -57,6 +57,21 @@ def test_filter_and_tolerance_options(tmp_path):
     assert gc.read_score(a, filter_name="flexible-extract").value == pytest.approx(0.72)
 
 
+@pytest.mark.parametrize("tolerance", ["-1", "nan", "inf", "x"])
+def test_tolerance_must_be_a_finite_number_at_least_0(tmp_path, capsys, tolerance):
+    """-1 failed identical runs, nan failed every run and inf passed every run."""
+    a, b = _results(tmp_path / "f", 0.8), _results(tmp_path / "d", 0.8)
+    with pytest.raises(SystemExit) as ei:
+        gc.main([str(a), str(b), "--tolerance", tolerance])
+    assert ei.value.code == 2 and "--tolerance" in capsys.readouterr().err
+
+
+def test_a_nan_score_cannot_be_compared(tmp_path, capsys):
+    a, b = _results(tmp_path / "f", float("nan")), _results(tmp_path / "d", 0.8)
+    assert gc.main([str(a), str(b)]) == 2
+    assert "not a finite number" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("case", ["missing", "not_json", "no_results", "other_task", "n_differs", "shots_differ",
                                   "empty_dir"])
 def test_incomparable_inputs_exit_2(tmp_path, capsys, case):
