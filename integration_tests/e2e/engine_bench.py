@@ -638,13 +638,18 @@ def run_main(bench_cls, settings_fn, prepare, argv=None, description="", build_m
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    prepare(args.cpu)
     import torch
 
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     if not args.cpu and not torch.cuda.is_available():
         log("no CUDA device: use --cpu for the CPU smoke run")
         return 2
+    try:
+        prepare(args.cpu)
+    except ModuleNotFoundError as exc:  # the framework itself (or a dependency of it) is not installed
+        log(f"{exc.name} is not installed in this environment: the engine bench drives the framework's real "
+            "engine (README, \"End to end\")")
+        return 2
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     s = settings_fn(args.cpu)
     with tempfile.TemporaryDirectory(prefix="tiny_model_") as d:
         model_dir = (build_model or tm.build)(d)

@@ -38,10 +38,12 @@ the other two.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import os
 import signal
+import shutil
 import sys
 import tempfile
 import time
@@ -260,6 +262,7 @@ def _apply(env: dict) -> None:
 
 def prepare(cpu: bool) -> None:
     d = tempfile.mkdtemp(prefix="sgl_platform_")
+    atexit.register(shutil.rmtree, d, ignore_errors=True)  # the test platform's package, for this process's run
     if cpu:
         from integration_tests.e2e import sglang_cpu
 
