@@ -461,7 +461,8 @@ def bench_cli(args):
     if args.host:
         dev = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         kw = bench_case(8, 1024, 1, 32, 8, 128, 16, "tensor", dev, table_tokens=args.table_tokens)
-        print(f"pa host time per layer call ({dev}, B=8, Hq=32, Hkv=8, table {args.table_tokens} tokens):")
+        width = int(kw["block_tables"].shape[1]) * 16  # the table built (at least the context)
+        print(f"pa host time per layer call ({dev}, B=8, Hq=32, Hkv=8, table {width} tokens):")
         # null: the host side alone (any machine); on a GPU also the Triton kernels launched, directly and
         # through Triton's own launch path
         runs = [("null", None)] + ([("triton", False), ("triton", True)] if dev.type == "cuda" else [])
