@@ -39,30 +39,37 @@ def faithful_interpreter() -> bool:
     return faithful_fp8_nan() & faithful_maxnum() & faithful_bf16_widening()
 
 
-def faithful_bf16_widening() -> bool:
-    """Patch the interpreter's float conversion so BF16 -> FP32 is exact (``bits << 16``; Triton 3.6 renormalizes
-    BF16 subnormals wrongly). Idempotent; False where the interpreter's ``_convert_float`` is missing."""
-    global _bf16_patched
-    if _bf16_patched:
-        return True
+def _wrap_convert_float(make) -> bool:
+    """Replace the interpreter's ``_convert_float`` with ``make(the current one)``; False where Triton or that
+    function is missing (another Triton version: the conversion then stays as that version does it)."""
     try:
-        import triton.language as tl
         from triton.runtime import interpreter
     except ImportError:
         return False
     convert = getattr(interpreter, "_convert_float", None)
     if convert is None:
         return False
-
-    def _convert_float(input, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.bfloat16 and output_dtype == tl.float32:
-            bits = np.frombuffer(np.ascontiguousarray(input).tobytes(), dtype=np.uint16).astype(np.uint32) << 16
-            return bits.reshape(np.shape(input))
-        return convert(input, input_dtype, output_dtype, rounding_mode)
-
-    interpreter._convert_float = _convert_float
-    _bf16_patched = True
+    interpreter._convert_float = make(convert)
     return True
+
+
+def faithful_bf16_widening() -> bool:
+    """Patch the interpreter's float conversion so BF16 -> FP32 is exact (``bits << 16``; Triton 3.6 renormalizes
+    BF16 subnormals wrongly). Idempotent; returns whether the patch is in place."""
+    global _bf16_patched
+
+    def make(convert):
+        import triton.language as tl
+
+        def _convert_float(input, input_dtype, output_dtype, rounding_mode):
+            if input_dtype == tl.bfloat16 and output_dtype == tl.float32:
+                bits = np.frombuffer(np.ascontiguousarray(input).tobytes(), dtype=np.uint16).astype(np.uint32) << 16
+                return bits.reshape(np.shape(input))
+            return convert(input, input_dtype, output_dtype, rounding_mode)
+        return _convert_float
+
+    _bf16_patched = _bf16_patched or _wrap_convert_float(make)
+    return _bf16_patched
 
 
 def faithful_maxnum() -> bool:
@@ -83,39 +90,30 @@ def faithful_maxnum() -> bool:
 
 
 def faithful_fp8_nan() -> bool:
-    """Patch the interpreter's float conversion (once, idempotent). Returns whether the patch is in place;
-    False where Triton or its interpreter's ``_convert_float`` is missing (another Triton version: the
-    conversion then stays as that version does it)."""
+    """Patch the interpreter's float conversion so FP8 NaN bytes decode to NaN (once, idempotent). Returns
+    whether the patch is in place."""
     global _patched
-    if _patched:
-        return True
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return False
-    convert = getattr(interpreter, "_convert_float", None)
-    if convert is None:
-        return False
 
-    def _convert_float(input, input_dtype, output_dtype, rounding_mode):
-        out = convert(input, input_dtype, output_dtype, rounding_mode)
-        rule = _NAN_BYTES.get(getattr(input_dtype, "name", ""))
-        if rule is None or output_dtype.primitive_bitwidth not in (16, 32):
+    def make(convert):
+        def _convert_float(input, input_dtype, output_dtype, rounding_mode):
+            out = convert(input, input_dtype, output_dtype, rounding_mode)
+            rule = _NAN_BYTES.get(getattr(input_dtype, "name", ""))
+            if rule is None or output_dtype.primitive_bitwidth not in (16, 32):
+                return out
+            mask, value = rule
+            nan = (np.frombuffer(np.ascontiguousarray(input).tobytes(), dtype=np.uint8).reshape(np.shape(out))
+                   & mask) == value
+            if not nan.any():
+                return out
+            bits = output_dtype.primitive_bitwidth
+            if output_dtype.is_bf16():
+                nan_bits = np.uint16(0x7FC0)
+            else:
+                nan_bits = np.array(np.nan, dtype=np.float16 if bits == 16 else np.float32).view(f"uint{bits}")
+            out = np.array(out, copy=True)
+            out[nan] = nan_bits
             return out
-        mask, value = rule
-        nan = (np.frombuffer(np.ascontiguousarray(input).tobytes(), dtype=np.uint8).reshape(np.shape(out)) & mask
-               ) == value
-        if not nan.any():
-            return out
-        bits = output_dtype.primitive_bitwidth
-        if output_dtype.is_bf16():
-            nan_bits = np.uint16(0x7FC0)
-        else:
-            nan_bits = np.array(np.nan, dtype=np.float16 if bits == 16 else np.float32).view(f"uint{bits}")
-        out = np.array(out, copy=True)
-        out[nan] = nan_bits
-        return out
+        return _convert_float
 
-    interpreter._convert_float = _convert_float
-    _patched = True
-    return True
+    _patched = _patched or _wrap_convert_float(make)
+    return _patched
