@@ -25,8 +25,8 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
-__all__ = ["Timing", "time_cuda_graph", "time_eager", "copy_bandwidth_gbps", "git_commit", "write_rows", "check_out", "RESULT_FIELDS",
-           "BenchContext", "bench_context", "result_row"]
+__all__ = ["Timing", "time_cuda_graph", "time_eager", "copy_bandwidth_gbps", "git_commit", "write_rows", "check_out",
+           "RESULT_FIELDS", "BenchContext", "bench_context", "result_row"]
 
 
 @dataclass
@@ -167,7 +167,7 @@ def check_out(path: Path) -> Optional[str]:
             return f"{path} cannot be read ({exc})"
         if first != ",".join(RESULT_FIELDS):
             return f"{path} exists and is not a results CSV of this format (its first line is {first[:60]!r})"
-    if path.exists() and not os.access(path, os.W_OK) or not os.access(parent or Path("."), os.W_OK):
+    if (path.exists() and not os.access(path, os.W_OK)) or not os.access(parent or Path("."), os.W_OK):
         return f"{path} is not writable"
     return None
 
