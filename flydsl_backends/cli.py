@@ -17,6 +17,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import logging
 import os
 import sys
@@ -243,9 +245,20 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def _tuning_check(package: str):
+    """``<package>.triton.check_environment`` (the Triton kernels' tuning variables; importing that package does
+    not import Triton), or None where the family has none."""
+    try:
+        spec = importlib.util.find_spec(f"{package}.triton")
+    except ModuleNotFoundError:  # the package is a plain module
+        return None
+    return None if spec is None else getattr(importlib.import_module(spec.name), "check_environment", None)
+
+
 def _environment_error() -> Optional[str]:
     """The first malformed setting among the package's environment variables (the implementation
-    overrides, FLYDSL_BACKENDS_SOURCE, FLYDSL_BACKENDS_TRITON_DIRECT), as one line; None when all parse.
+    overrides, FLYDSL_BACKENDS_SOURCE, FLYDSL_BACKENDS_TRITON_DIRECT, the Triton kernels' tuning variables), as
+    one line; None when all parse.
     A server would raise the same error at its first call."""
     from backend_core.flydsl_source import requested_source
 
@@ -256,6 +269,9 @@ def _environment_error() -> Optional[str]:
         for fam in _ops.OPS:
             for reg in fam.op_registries().values():
                 reg.requested_backend("auto")
+            check = _tuning_check(fam.package)
+            if check is not None:
+                check()
     except ValueError as exc:
         return str(exc)
     return None

@@ -43,6 +43,21 @@ def supports(p: KDAProblem) -> Tuple[bool, str]:
     return True, "ok"
 
 
+def check_environment() -> None:
+    """Parse the tuning variables now (the CLI checks them up front): ValueError naming the first malformed one.
+    Whether a BV divides a layer's V is checked at that layer's first call."""
+    for name in ("FLYDSL_BACKENDS_KDA_TRITON_BV", "FLYDSL_BACKENDS_KDA_TRITON_WARPS"):
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        try:
+            v = int(raw)
+        except ValueError:
+            v = 0
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{name}={raw!r}: expected a power of two >= 1")
+
+
 @functools.lru_cache(maxsize=1024)
 def launch_config(K: int, R: int, has_f_b: bool, pairs_class: int, sms: int) -> dict:
     """Compiled-specialization settings for a shape class (bounded LRU; scalars are not part of it).

@@ -58,6 +58,24 @@ def _env_int(name: str, default: int) -> int:
     return v
 
 
+# the positive-integer tuning variables this module reads (each at its first use)
+_TUNING_INTS = ("FLYDSL_BACKENDS_PA_TRITON_BT", "FLYDSL_BACKENDS_PA_TRITON_WARPS", "FLYDSL_BACKENDS_PA_TRITON_STAGES",
+                "FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", "FLYDSL_BACKENDS_PA_FEW_PROGRAMS_PER_SM",
+                "FLYDSL_BACKENDS_PA_PREFILL_M", "FLYDSL_BACKENDS_PA_PREFILL_BT", "FLYDSL_BACKENDS_PA_PREFILL_WARPS",
+                "FLYDSL_BACKENDS_PA_PREFILL_STAGES")
+
+
+def check_environment() -> None:
+    """Parse every tuning variable of the Triton paged ops now (the CLI checks them up front): ValueError naming
+    the first malformed one. The kernels read them at their first call."""
+    for name in _TUNING_INTS:
+        _env_int(name, 1)
+    if os.environ.get("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", "").strip() not in ("", "0"):
+        _env_int("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", 0)
+    gluon_mode()
+    _fp8_qk_override()
+
+
 @functools.lru_cache(maxsize=1024)
 def decode_tiling(D: int, BM: int, block_size: int = 16, amd: bool = False) -> Tuple[int, int, int]:
     """(BT tokens per tile, warps, pipeline stages) of the partition kernel. The live tiles (K or V
@@ -549,9 +567,7 @@ def fp8_qk(device: torch.device, cache, BM: int, query_dtype: torch.dtype) -> bo
     FP16 dots (their operands pass through registers anyway); AMD keeps them too (not run there).
     FLYDSL_BACKENDS_PA_FP8_QK=0 / 1 overrides the default (1 also runs it in Triton's interpreter, where
     the CPU tests check it)."""
-    raw = os.environ.get("FLYDSL_BACKENDS_PA_FP8_QK", "").strip()
-    if raw not in ("", "0", "1"):
-        raise ValueError(f"FLYDSL_BACKENDS_PA_FP8_QK={raw!r}: expected 0 or 1")
+    raw = _fp8_qk_override()
     if raw == "0" or BM < 64 or cache.key_cache.dtype != torch.float8_e4m3fn or query_dtype != torch.bfloat16:
         return False
     if device.type == "cuda" and platform.is_hip():
@@ -559,6 +575,14 @@ def fp8_qk(device: torch.device, cache, BM: int, query_dtype: torch.dtype) -> bo
     if raw == "1":
         return True
     return _v_maxnum(device) and platform.device_info(device).sm_version >= 89
+
+
+def _fp8_qk_override() -> str:
+    """FLYDSL_BACKENDS_PA_FP8_QK: "" (the default), "0" or "1"; ValueError otherwise."""
+    raw = os.environ.get("FLYDSL_BACKENDS_PA_FP8_QK", "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"FLYDSL_BACKENDS_PA_FP8_QK={raw!r}: expected 0 or 1")
+    return raw
 
 
 def _aligned16(*caches: torch.Tensor) -> bool:
