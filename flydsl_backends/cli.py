@@ -117,11 +117,12 @@ def _family_table(args, title: str, run_family, bound_legend=None) -> int:
     # --backend is repeatable and takes comma lists; a name no family has is refused before anything runs
     wanted = {n.strip() for b in (args.backend or ()) for n in b.split(",") if n.strip()}
     if args.backend and not wanted:
-        print(f"--backend: no implementation named in {args.backend!r}")
+        print(f"--backend: no implementation named in {args.backend!r}", file=sys.stderr)
         return 2
     known = {n for fam in families for n, _, _ in fam.registry().status()}
     if wanted - known:
-        print(f"--backend: unknown implementation(s) {sorted(wanted - known)}; expected some of {sorted(known)}")
+        print(f"--backend: unknown implementation(s) {sorted(wanted - known)}; expected some of {sorted(known)}",
+              file=sys.stderr)
         return 2
     failures = total = n_skipped = 0
     not_run = []  # requested implementations that could not run here
@@ -210,7 +211,7 @@ def cmd_bench(args) -> int:
 
     if not platform.has_gpu() and not getattr(args, "host", False):
         print("bench needs a CUDA/ROCm GPU; this machine has none (timings on the CPU interpreter mean nothing); "
-              "`bench pa --host` measures the per-layer host time on any machine")
+              "`bench pa --host` measures the per-layer host time on any machine", file=sys.stderr)
         return 2
     fam = _ops.get(args.op)
     known = set().union(*(reg.names() for reg in fam.op_registries().values()))

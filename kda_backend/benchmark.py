@@ -15,6 +15,7 @@ variant adds the f_a @ f_b^T projection as a torch matmul.
 from __future__ import annotations
 
 import math
+import sys
 from typing import Dict, List, Optional, Sequence
 
 import torch
@@ -154,7 +155,7 @@ def bench_cli(args):
     ops' host-time mode; the KDA decode is one launch per layer, timed by the rows themselves)."""
     if getattr(args, "host", False):
         print("--host: the per-layer host time is measured for the paged ops (`bench pa --host`); "
-              "`bench kda` times the decode itself, on a GPU")
+              "`bench kda` times the decode itself, on a GPU", file=sys.stderr)
         return 2
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     return run_bench(batches=args.batches, H=args.heads, K=args.head_dim,

@@ -47,7 +47,7 @@ def test_verify_says_when_what_was_asked_for_did_not_run(capsys, monkeypatch):
     """A typo, an implementation that cannot run here, or nothing run at all is exit status 2, never a
     pass with "0 passed, 0 failed"; --backend takes a comma list as well as repeats."""
     assert cli.main(["verify", "--backend", "tritn"]) == 2
-    assert "unknown implementation(s) ['tritn']" in capsys.readouterr().out
+    assert "unknown implementation(s) ['tritn']" in capsys.readouterr().err  # errors on stderr
     from kda_backend import REGISTRY
 
     monkeypatch.setattr(REGISTRY.get("torch"), "is_available", lambda: (False, "pretend"))
@@ -73,7 +73,7 @@ def test_verify_is_not_a_pass_when_an_asked_for_implementation_declined_every_ca
     assert cli.main(["verify", "--op", "kda", "--backend", "triton,torch"]) == 2
     assert "not checked: kda/torch (skipped on every case)" in capsys.readouterr().out
     assert cli.main(["verify", "--backend", ","]) == 2
-    assert "--backend: no implementation named" in capsys.readouterr().out
+    assert "--backend: no implementation named" in capsys.readouterr().err
 
 
 def test_info_names_an_active_override(capsys, monkeypatch):
@@ -157,12 +157,13 @@ def test_bench_refuses_without_gpu(capsys):
     if torch.cuda.is_available():
         pytest.skip("GPU present: bench would run")
     assert cli.main(["bench", "kda"]) == 2
+    assert "bench needs a CUDA/ROCm GPU" in capsys.readouterr().err
 
 
 def test_bench_kda_host_says_it_is_the_paged_ops_mode(capsys):
     """``--host`` belongs to ``bench pa``; ``bench kda --host`` ended in a RuntimeError traceback on CPU."""
     assert cli.main(["bench", "kda", "--host"]) == 2
-    assert "bench pa --host" in capsys.readouterr().out
+    assert "bench pa --host" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("argv, flag", [
