@@ -43,19 +43,25 @@ def supports(p: KDAProblem) -> Tuple[bool, str]:
     return True, "ok"
 
 
+def _env_pow2(name: str, default: int) -> int:
+    """A tuning variable: a power of two >= 1 (``default`` when unset); ValueError naming it otherwise."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        v = 0
+    if v < 1 or v & (v - 1):
+        raise ValueError(f"{name}={raw!r}: expected a power of two >= 1")
+    return v
+
+
 def check_environment() -> None:
     """Parse the tuning variables now (the CLI checks them up front): ValueError naming the first malformed one.
     Whether a BV divides a layer's V is checked at that layer's first call."""
     for name in ("FLYDSL_BACKENDS_KDA_TRITON_BV", "FLYDSL_BACKENDS_KDA_TRITON_WARPS"):
-        raw = os.environ.get(name)
-        if raw is None:
-            continue
-        try:
-            v = int(raw)
-        except ValueError:
-            v = 0
-        if v < 1 or v & (v - 1):
-            raise ValueError(f"{name}={raw!r}: expected a power of two >= 1")
+        _env_pow2(name, 1)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -73,16 +79,9 @@ def launch_config(K: int, R: int, has_f_b: bool, pairs_class: int, sms: int) -> 
     # The f_b variant re-forms the [K, R] projection in every program, so it does not split.
     while not has_f_b and pairs_class * nv < 2 * max(sms, 1) and K // (2 * nv) >= 16:
         nv *= 2
-    try:
-        bv = int(os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_BV", K // nv))
-        warps = int(os.environ.get("FLYDSL_BACKENDS_KDA_TRITON_WARPS", 2 if K <= 32 else 4))
-    except ValueError:
-        raise ValueError("FLYDSL_BACKENDS_KDA_TRITON_BV / FLYDSL_BACKENDS_KDA_TRITON_WARPS: expected integers, got "
-                         f"{os.environ.get('FLYDSL_BACKENDS_KDA_TRITON_BV')!r} / "
-                         f"{os.environ.get('FLYDSL_BACKENDS_KDA_TRITON_WARPS')!r}") from None
-    if warps < 1 or warps & (warps - 1):
-        raise ValueError(f"FLYDSL_BACKENDS_KDA_TRITON_WARPS={warps}: expected a power of two >= 1")
-    if bv < 1 or K % bv or bv & (bv - 1):
+    bv = _env_pow2("FLYDSL_BACKENDS_KDA_TRITON_BV", K // nv)
+    warps = _env_pow2("FLYDSL_BACKENDS_KDA_TRITON_WARPS", 2 if K <= 32 else 4)
+    if K % bv:
         raise ValueError(f"FLYDSL_BACKENDS_KDA_TRITON_BV={bv}: expected a power of two dividing V={K}")
     br = max(16, 1 << (max(R, 1) - 1).bit_length())
     return {"BV": bv, "num_warps": warps, "BR": br, "RC": min(br, 32)}
