@@ -9,12 +9,13 @@ Engines (one per backend, mode and max_model_len, built once, used for every bat
 * eager, max_model_len 1024: accuracy (16 prompts x 64 greedy tokens, logprobs=5) and eager throughput;
 * CUDA graphs (FULL_DECODE_ONLY, no torch.compile), max_model_len 1024 and 131072: throughput;
 * compiled (torch.compile, FULL_AND_PIECEWISE graphs), max_model_len 1024: accuracy and throughput.
-``ENGINE_BENCH_ENGINES="BACKEND:MODE:MAX_LEN,..."`` runs a subset. The graph-mode pairs run in both orders
+``ENGINE_BENCH_ENGINES="BACKEND:MODE:MAX_LEN,..."`` runs a subset. Every pair runs in both orders
 (FLYDSL, TRITON_ATTN, TRITON_ATTN, FLYDSL: the tiny model's engine is host-bound, and one run per backend in
-a fixed order left 0.66x-1.0x swings unexplained); ``ENGINE_BENCH_ORDER=once`` runs each once. summary.md's
+a fixed order left 0.66x-1.0x swings unexplained); the second engine of each backend is throughput only
+(an accuracy pair is compared once); ``ENGINE_BENCH_ORDER=once`` runs each once. summary.md's
 ratio table takes every timed run of each backend and marks a point settled only where each backend ran more
-than one engine and their medians agree within ``SETTLED_SPREAD`` (SGLang's bench runs one engine per backend
-unless ENGINE_BENCH_ORDER=both: its points never read settled); the CSV note lists every run.
+than one engine and their medians agree within ``SETTLED_SPREAD`` (with ``once`` no point reads settled);
+the CSV note lists every run.
 Accuracy: FLYDSL against TRITON_ATTN with vLLM's ``check_logprobs_close`` rule (at the first position
 where two greedy sequences differ, each chosen token must be in the other run's top-5), the number of
 identical sequences, the copy rule of the model (``tiny_model.copy_rule_agreement``) and the argmax
@@ -39,7 +40,7 @@ sequences finish) and mixed prefill+decode batches (handed back to vLLM); pair r
 against hook off (check_logprobs_close, identical sequences, max |logprob difference| of the chosen
 token before the first divergence), and the on-run must have called ``kda_decode`` (calls and rows are
 recorded). Throughput: batch 16 and 64 as above, tokens compared between the two. With ENGINE_BENCH_ORDER=both
-(the default) the graph pair runs again in the other order, throughput only (hook on, then off).
+(the default) each pair runs again in the other order, throughput only (hook on, then off).
 
 ``--cpu``: the same code path on vLLM's CPU worker (FLYDSL on the torch reference; TRITON_ATTN does not
 run there): eager only, batch 2, 8 tokens, max_model_len 1024 and 131072; the accuracy pair is FLYDSL at
@@ -122,17 +123,18 @@ def _checked_order(order: str) -> str:
 
 
 def in_both_orders(engines: list, order: str = "both") -> list:
-    """``order`` "both": each pair of throughput-only engines of one mode and length (consecutive, as the
+    """``order`` "both": each pair of engines of one mode and length with two backends (consecutive, as the
     settings list them) runs again in the other order right after it (A, B, B, A), so neither backend always
-    gets the first or the later engine of a pair on a host-bound tiny model; "once": as listed."""
+    gets the first or the later engine of a pair on a host-bound tiny model. The repeated pair is throughput
+    only (an accuracy pair is compared once); "once": as listed."""
     if _checked_order(order) == "once":
         return list(engines)
     out, i = [], 0
     while i < len(engines):
         a = engines[i]
         b = engines[i + 1] if i + 1 < len(engines) else None
-        if b is not None and not a[3] and not b[3] and a[1:3] == b[1:3] and a[0] != b[0]:
-            out += [a, b, b, a]
+        if b is not None and a[3] == b[3] and a[1:3] == b[1:3] and a[0] != b[0]:
+            out += [a, b, (*b[:3], False), (*a[:3], False)]
             i += 2
         else:
             out.append(a)
@@ -586,11 +588,10 @@ class KimiBench(Bench):
 
 def kimi_settings(cpu: bool = False) -> Settings:
     engines = [(b, m, 2048, True) for m in ("eager", "graphs") for b in ("KDA:vllm", "KDA:flydsl")]
-    # the graph pair again, throughput only, in the other order (ENGINE_BENCH_ORDER=both, the default; the
-    # nineteenth session's single graph pair read 0.89x at batch 16 with spreads of 0.33-0.46 s)
-    if bench_order("both") == "both":
-        engines += [(b, "graphs", 2048, False) for b in ("KDA:flydsl", "KDA:vllm")]
     engines = engines_from_env("ENGINE_BENCH_ENGINES", engines, lambda mode, length: True)
+    # each pair again, throughput only, in the other order (ENGINE_BENCH_ORDER=both, the default; the
+    # nineteenth session's single graph pair read 0.89x at batch 16 with spreads of 0.33-0.46 s)
+    engines = in_both_orders(engines, bench_order("both"))
     return Settings(cpu=False, acc_prompts=16, acc_tokens=64, batches=(16, 64), out_tokens=128, kv_bytes=2 << 30,
                     engines=engines, capture_sizes=(1, 2, 4, 8, 16, 24, 32, 48, 64), repeats=5,
                     extra={"gpu_memory_utilization": 0.5})

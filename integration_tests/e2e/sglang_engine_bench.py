@@ -16,7 +16,8 @@ backend, mode and context length, built once, used for every batch, then shut do
   131072 (server-width tables): throughput;
 * eager, context_length 131072: throughput.
 ``SGLANG_BENCH_ENGINES="BACKEND:MODE:CONTEXT,..."`` (MODE eager or graphs) runs a subset; accuracy
-runs on the eager engines at 1024.
+runs on the eager engines at 1024. Each pair runs again in the other order, throughput only
+(``ENGINE_BENCH_ORDER``, as in ``engine_bench``; default ``both``).
 Accuracy and throughput as in ``engine_bench`` (vLLM's check_logprobs_close rule, identical
 sequences, the copy rule, HF teacher-forced argmax agreement; tokens/s at batch 16 and 64, 128 output
 tokens, ignore_eos, timed after a warm-up of the same batch; the greedy tokens of the two backends
@@ -67,8 +68,10 @@ def settings(cpu: bool) -> eb.Settings:
     engines += [(b, "eager", 131072, False) for b in ("flydsl", "triton")]
     # a subset, e.g. "flydsl:graphs:1024,triton:graphs:1024"
     engines = eb.engines_from_env("SGLANG_BENCH_ENGINES", engines, lambda mode, ctx: mode == "eager" and ctx == 1024)
-    # each engine takes ~40 s to start here: the pairs run once unless ENGINE_BENCH_ORDER=both
-    engines = eb.in_both_orders(engines, eb.bench_order("once"))
+    # each pair again in the other order (ENGINE_BENCH_ORDER=both, the default; "once" halves the run): at
+    # 83fa219 two runs in one order put flydsl at 0.93-0.97x in eager at 1024, where a7ddf6f's host read
+    # 1.19-1.29x; an engine took ~30 s on that H100 host, 16 engines ~8 min
+    engines = eb.in_both_orders(engines, eb.bench_order("both"))
     return eb.Settings(cpu=False, acc_prompts=16, acc_tokens=64, batches=(16, 64), out_tokens=128, kv_bytes=0,
                        engines=engines, capture_sizes=tuple(CAPTURE_BS), repeats=3,
                        extra={"max_total_tokens": MAX_TOTAL_TOKENS})

@@ -12,7 +12,8 @@ def test_pairs_run_in_both_orders():
                ("FLYDSL", "graphs", 131072, False), ("TRITON_ATTN", "graphs", 131072, False),
                ("FLYDSL", "compiled", 1024, True)]
     out = eb.in_both_orders(engines)
-    assert out == engines[:2] + [engines[2], engines[3], engines[3], engines[2],
+    assert out == engines[:2] + [("TRITON_ATTN", "eager", 1024, False), ("FLYDSL", "eager", 1024, False),
+                                 engines[2], engines[3], engines[3], engines[2],
                                  engines[4], engines[5], engines[5], engines[4]] + engines[6:]
     assert eb.in_both_orders(engines, "once") == engines
     with pytest.raises(ValueError, match="ENGINE_BENCH_ORDER"):
@@ -35,6 +36,9 @@ def test_kimi_graph_pair_runs_again_in_the_other_order(monkeypatch):
     graphs = [e for e in eb.kimi_settings().engines if e[1] == "graphs"]
     assert graphs == [("KDA:vllm", "graphs", 2048, True), ("KDA:flydsl", "graphs", 2048, True),
                       ("KDA:flydsl", "graphs", 2048, False), ("KDA:vllm", "graphs", 2048, False)]
+    eager = [e for e in eb.kimi_settings().engines if e[1] == "eager"]
+    assert eager == [("KDA:vllm", "eager", 2048, True), ("KDA:flydsl", "eager", 2048, True),
+                     ("KDA:flydsl", "eager", 2048, False), ("KDA:vllm", "eager", 2048, False)]
     monkeypatch.setenv("ENGINE_BENCH_ORDER", "once")
     assert len([e for e in eb.kimi_settings().engines if e[1] == "graphs"]) == 2
     monkeypatch.setenv("ENGINE_BENCH_ORDER", "twice")
@@ -127,3 +131,28 @@ def test_counting_steps_counts_scheduled_steps_and_restores_the_scheduler(monkey
     assert sched.Scheduler.__dict__["schedule"] is fake
     with eb.counting_steps(False) as count:
         assert count is None
+
+
+def test_accuracy_pairs_run_again_in_the_other_order_for_throughput_only():
+    engines = [("flydsl", "eager", 1024, True), ("triton", "eager", 1024, True),
+               ("flydsl", "graphs", 1024, False), ("triton", "graphs", 1024, False),
+               ("flydsl", "eager", 1024, True)]  # no partner: as listed
+    out = eb.in_both_orders(engines)
+    assert out == [engines[0], engines[1], ("triton", "eager", 1024, False), ("flydsl", "eager", 1024, False),
+                   engines[2], engines[3], engines[3], engines[2], engines[4]]
+    # an accuracy engine next to a throughput-only one of the other backend is not a pair
+    mixed = [("flydsl", "eager", 1024, True), ("triton", "eager", 1024, False)]
+    assert eb.in_both_orders(mixed) == mixed
+
+
+def test_sglang_settings_run_every_pair_in_both_orders(monkeypatch):
+    from integration_tests.e2e import sglang_engine_bench as sb
+    monkeypatch.delenv("SGLANG_BENCH_ENGINES", raising=False)
+    monkeypatch.delenv("ENGINE_BENCH_ORDER", raising=False)
+    engines = sb.settings(cpu=False).engines
+    assert len(engines) == 16
+    assert engines[:4] == [("flydsl", "eager", 1024, True), ("triton", "eager", 1024, True),
+                           ("triton", "eager", 1024, False), ("flydsl", "eager", 1024, False)]
+    assert sum(e[3] for e in engines) == 2  # accuracy once per backend
+    monkeypatch.setenv("ENGINE_BENCH_ORDER", "once")
+    assert len(sb.settings(cpu=False).engines) == 8
