@@ -90,7 +90,9 @@ for step in $steps; do
     serve-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider -rfs
                        integration_tests/e2e/test_sglang_serve.py) ;;
     # SGLang speculative decoding (STANDALONE, EAGLE) with the target on flydsl, on sglang_gpu's platform.
-    # Step times on an H100: spec-sglang ~185 s, kimi-sglang 120-200 s, tests-e2e-vllm ~120 s, serve-sglang ~95 s; a
+    # Step times on an H100: spec-sglang ~185 s, kimi-sglang 120-200 s, tests-e2e-vllm ~95-120 s, serve-sglang 55-95 s,
+    # serve-vllm ~90 s, tests-kda ~170 s, e2e-sglang ~240 s for 8 engines (ENGINE_BENCH_ORDER=once; the default
+    # both orders run 16, ~8 min: give it a call of its own); a
     # STEP_TIMEOUT below a step's time kills its engine processes too (timeout signals the whole process group)
     spec-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider -rfs
                       integration_tests/e2e/test_sglang_spec.py ${SPEC_PYTEST_ARGS:-}) ;;
