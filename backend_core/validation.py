@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections import OrderedDict
 from typing import Iterable, Optional, Sequence, Tuple, Union
 
@@ -242,6 +243,21 @@ def require_disjoint(written: Sequence[Tuple[str, Optional[torch.Tensor]]],
     items = w + addresses(others)
     for i, (wn, wa) in enumerate(w):
         _check_disjoint(wn, wa, items[i + 1:])
+
+
+def env_positive_int(name: str, default: int, *, power_of_two: bool = False) -> int:
+    """A tuning variable ``name``: a positive integer (a power of two with ``power_of_two``); ``default`` when
+    unset. ValueError naming the variable and its value otherwise."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        v = 0
+    if v < 1 or (power_of_two and v & (v - 1)):
+        raise ValueError(f"{name}={raw!r}: expected {'a power of two >= 1' if power_of_two else 'a positive integer'}")
+    return v
 
 
 def shape_str(shape: Tuple[int, ...]) -> str:

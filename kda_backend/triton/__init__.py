@@ -8,7 +8,6 @@ never needs Triton.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Tuple
 
 import torch
@@ -16,6 +15,7 @@ import torch
 from backend_core import platform
 from backend_core.buffers import DeviceBuffers
 from backend_core.launch import launch
+from backend_core.validation import env_positive_int
 from ..contract import KDAProblem
 
 __all__ = ["available", "supports", "run", "launch_config"]
@@ -43,25 +43,11 @@ def supports(p: KDAProblem) -> Tuple[bool, str]:
     return True, "ok"
 
 
-def _env_pow2(name: str, default: int) -> int:
-    """A tuning variable: a power of two >= 1 (``default`` when unset); ValueError naming it otherwise."""
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        v = int(raw)
-    except ValueError:
-        v = 0
-    if v < 1 or v & (v - 1):
-        raise ValueError(f"{name}={raw!r}: expected a power of two >= 1")
-    return v
-
-
 def check_environment() -> None:
     """Parse the tuning variables now (the CLI checks them up front): ValueError naming the first malformed one.
     Whether a BV divides a layer's V is checked at that layer's first call."""
     for name in ("FLYDSL_BACKENDS_KDA_TRITON_BV", "FLYDSL_BACKENDS_KDA_TRITON_WARPS"):
-        _env_pow2(name, 1)
+        env_positive_int(name, 1, power_of_two=True)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -79,8 +65,8 @@ def launch_config(K: int, R: int, has_f_b: bool, pairs_class: int, sms: int) -> 
     # The f_b variant re-forms the [K, R] projection in every program, so it does not split.
     while not has_f_b and pairs_class * nv < 2 * max(sms, 1) and K // (2 * nv) >= 16:
         nv *= 2
-    bv = _env_pow2("FLYDSL_BACKENDS_KDA_TRITON_BV", K // nv)
-    warps = _env_pow2("FLYDSL_BACKENDS_KDA_TRITON_WARPS", 2 if K <= 32 else 4)
+    bv = env_positive_int("FLYDSL_BACKENDS_KDA_TRITON_BV", K // nv, power_of_two=True)
+    warps = env_positive_int("FLYDSL_BACKENDS_KDA_TRITON_WARPS", 2 if K <= 32 else 4, power_of_two=True)
     if K % bv:
         raise ValueError(f"FLYDSL_BACKENDS_KDA_TRITON_BV={bv}: expected a power of two dividing V={K}")
     br = max(16, 1 << (max(R, 1) - 1).bit_length())

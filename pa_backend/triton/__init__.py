@@ -22,7 +22,7 @@ import torch
 
 from backend_core import platform
 from backend_core.launch import bind
-from backend_core.validation import CheckMemo
+from backend_core.validation import CheckMemo, env_positive_int
 from ..contract import PAProblem, WriteProblem
 from ..fp8 import fp8_max, fp8_nan_byte
 from ..planner import (FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, QUEUE_SM_SLOTS, plan_partitions, task_queue, work_rows,
@@ -45,19 +45,6 @@ def supports(p) -> Tuple[bool, str]:
     return True, "ok"
 
 
-def _env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        v = int(raw)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise ValueError(f"{name}={raw!r}: expected a positive integer")
-    return v
-
-
 # the positive-integer tuning variables this module reads (each at its first use)
 _TUNING_INTS = ("FLYDSL_BACKENDS_PA_TRITON_BT", "FLYDSL_BACKENDS_PA_TRITON_WARPS", "FLYDSL_BACKENDS_PA_TRITON_STAGES",
                 "FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", "FLYDSL_BACKENDS_PA_FEW_PROGRAMS_PER_SM",
@@ -69,9 +56,9 @@ def check_environment() -> None:
     """Parse every tuning variable of the Triton paged ops now (the CLI checks them up front): ValueError naming
     the first malformed one. The kernels read them at their first call."""
     for name in _TUNING_INTS:
-        _env_int(name, 1)
+        env_positive_int(name, 1)
     if os.environ.get("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", "").strip() not in ("", "0"):
-        _env_int("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", 0)
+        env_positive_int("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", 0)
     gluon_mode()
     _fp8_qk_override()
 
@@ -105,12 +92,12 @@ def decode_tiling(D: int, BM: int, block_size: int = 16, amd: bool = False) -> T
         bt, warps = 16, 1
     elif D == 128 and BM == 16:
         bt = 32  # 64-token pages: 4 warps, BT 32 (107 us at B=81/8k; BT 64 124 us, one warp 113 us)
-    bt = _env_int("FLYDSL_BACKENDS_PA_TRITON_BT", bt)
+    bt = env_positive_int("FLYDSL_BACKENDS_PA_TRITON_BT", bt)
     if bt & (bt - 1) or bt < 16:
         raise ValueError(f"FLYDSL_BACKENDS_PA_TRITON_BT={bt}: expected a power of two >= 16")
     # 5 stages: the first count at which Triton 3.6 double-buffers the K/V copies (pa_decode.py)
-    return (bt, _env_int("FLYDSL_BACKENDS_PA_TRITON_WARPS", warps),
-            _env_int("FLYDSL_BACKENDS_PA_TRITON_STAGES", 5))
+    return (bt, env_positive_int("FLYDSL_BACKENDS_PA_TRITON_WARPS", warps),
+            env_positive_int("FLYDSL_BACKENDS_PA_TRITON_STAGES", 5))
 
 
 def split_policy(warps: int) -> Tuple[int, int]:
@@ -121,8 +108,8 @@ def split_policy(warps: int) -> Tuple[int, int]:
     B=32/2k 71 us; 16 / 8 was 1-7% slower at 32k, 16 / 4 up to 20%.
     FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM / _FEW_PROGRAMS_PER_SM override them (tuning)."""
     pps, few = (32, 8) if warps == 1 else (PROGRAMS_PER_SM, FEW_PROGRAMS_PER_SM)
-    return (_env_int("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", pps),
-            _env_int("FLYDSL_BACKENDS_PA_FEW_PROGRAMS_PER_SM", few))
+    return (env_positive_int("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", pps),
+            env_positive_int("FLYDSL_BACKENDS_PA_FEW_PROGRAMS_PER_SM", few))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -145,13 +132,15 @@ def prefill_tiling(D: int, G: int, block_size: int = 16, amd: bool = False,
     CUDA; a 4-wave workgroup may use the accumulation registers too): no scratch on either arch
     (resources.amdgcn_report). D 256 keeps M 64 (no scratch).
     """
-    m = m or _env_int("FLYDSL_BACKENDS_PA_PREFILL_M", (128 if amd else 256) if D == 128 else 128 if D < 128 else 64)
+    m = m or env_positive_int("FLYDSL_BACKENDS_PA_PREFILL_M",
+                              (128 if amd else 256) if D == 128 else 128 if D < 128 else 64)
     rows = max(1, m // G)
     bt, warps, stages = decode_tiling(D, work_rows(G, rows), block_size, amd)
     if D <= 128 and work_rows(G, rows) >= 128:
         bt, warps, stages = (64, 4, 1) if amd else (64, 8, 2)
-    return (rows, _env_int("FLYDSL_BACKENDS_PA_PREFILL_BT", bt), _env_int("FLYDSL_BACKENDS_PA_PREFILL_WARPS", warps),
-            _env_int("FLYDSL_BACKENDS_PA_PREFILL_STAGES", stages))
+    return (rows, env_positive_int("FLYDSL_BACKENDS_PA_PREFILL_BT", bt),
+            env_positive_int("FLYDSL_BACKENDS_PA_PREFILL_WARPS", warps),
+            env_positive_int("FLYDSL_BACKENDS_PA_PREFILL_STAGES", stages))
 
 
 def register_cap(warps: int, queue: bool = True, decode: bool = True):
@@ -165,7 +154,7 @@ def register_cap(warps: int, queue: bool = True, decode: bool = True):
     if not (queue or (warps > 1 and decode and raw)) or raw == "0":
         return None
     if raw:
-        return _env_int("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", 0)
+        return env_positive_int("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", 0)
     return 168 if warps == 1 else None
 
 
