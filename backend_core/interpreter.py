@@ -5,7 +5,7 @@ The checks of this project poison every unused cache page with FP8 NaN bytes, so
 the output into NaN. Triton 3.6's interpreter decodes FP8 with plain bit arithmetic
 (``triton.runtime.interpreter._convert_float``): an e4m3fn NaN (0x7F / 0xFF) reads as +-480, so on
 CPU a stray read gave a finite, plausible answer and a kernel's NaN guard could be deleted with every
-CPU test still passing (a review, 2026-12-06). ``faithful_fp8_nan()`` wraps that function so those
+CPU test still passing. ``faithful_fp8_nan()`` wraps that function so those
 bytes decode to NaN; everything else decodes as before. (The interpreter does not take e4m3fnuz, AMD's
 FP8 of gfx942, at all: the CPU tests run those kernels only where they compile them.)
 
@@ -13,8 +13,8 @@ The interpreter's maxNum was NaN-propagating ``np.maximum``, so the paged decode
 NaN bytes (a maxNum with -448) could not run on CPU at all; with ``faithful_maxnum()`` a test runs it there.
 
 Its BF16 -> FP32 widening lost BF16 subnormals (254 of the 65,536 patterns: 2^-133 read as 0, 5e-39 as 8e-39),
-so the Triton KV writer's bytes differed from the reference's for rows of subnormal BF16 on CPU only (a
-review, 2026-12-06); ``faithful_bf16_widening()`` makes that widening the exact ``bits << 16`` it is on a GPU.
+so the Triton KV writer's bytes differed from the reference's for rows of subnormal BF16 on CPU only;
+``faithful_bf16_widening()`` makes that widening the exact ``bits << 16`` it is on a GPU.
 
 ``faithful_interpreter()`` applies all three. Called by the test session (``conftest.py``) and by the CLI when
 it routes Triton through the interpreter (``verify`` / ``accuracy`` on a machine without a GPU). Nothing

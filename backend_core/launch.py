@@ -5,8 +5,8 @@ arguments layer after layer: it binds each argument by name, asks Triton's C hel
 specialization (dtype, 16-byte alignment, an integer's value class), builds and hashes a cache key from
 them and the options, looks the compiled kernel up, and its driver launcher then asks the CUDA/HIP driver
 about every tensor's address (``cuPointerGetAttribute``). For the paged decode's ~60 arguments that is tens
-of microseconds of host time per launch (benchmarks/NOTES.md: ``plan.run`` 87 us on the H200 host against
-9 us with null kernels).
+of microseconds of host time per launch, several times the cost of the launch itself (figures in
+docs/performance.md).
 
 ``launch(kernel, grid, *args, **kwargs)`` takes the same arguments. ``bind(kernel, grid, vary, *args,
 **kwargs)`` launches as ``launch`` does and returns ``(kernel, Bound or None)``, a ``Bound`` being the same
@@ -29,8 +29,8 @@ traces ``kernel[grid]``, not a launch by address); a launch hook installed
 (``triton.knobs.runtime.launch_enter_hook`` / ``launch_exit_hook`` not empty: profilers) or a kernel's
 ``pre_run_hooks``; a global constant a kernel read changed since it was compiled (Triton raises); an argument
 missing, a tensor among the keyword arguments, or an argument of another kind; and, by default, with ROCm. It
-is on by default with CUDA (run on an H100: the same bytes as Triton's launch, plan.run's host time 166 -> 83 us;
-benchmarks/results/gpu-tests/2026-12-05_h100_session13.md) and opt-in with ROCm, where it has not run
+is on by default with CUDA (checked on NVIDIA GPUs: the same bytes as Triton's launch at about half the host
+time per layer) and opt-in with ROCm, where it has not run
 (``FLYDSL_BACKENDS_TRITON_DIRECT=1`` / ``0`` turns it on / off on either, read at import; the ``enabled``
 attribute switches it at run time, for A/B timings). At most ``MAX_KINDS``
 keys per kernel are kept (the least recently used is dropped). Skipped on a hit: the driver's check that
@@ -50,7 +50,7 @@ from . import platform
 
 __all__ = ["launch", "bind", "Bound", "enabled", "MAX_KINDS", "kinds"]
 
-# on with CUDA (run on an H100), opt-in with ROCm (not run on AMD): FLYDSL_BACKENDS_TRITON_DIRECT=0 / 1 decides
+# on with CUDA (run on NVIDIA GPUs), opt-in with ROCm (not run on AMD): FLYDSL_BACKENDS_TRITON_DIRECT=0 / 1 decides
 _RAW = os.environ.get("FLYDSL_BACKENDS_TRITON_DIRECT", "").strip()
 if _RAW not in ("", "0", "1"):
     raise ValueError(f"FLYDSL_BACKENDS_TRITON_DIRECT={_RAW!r}: expected 0 or 1")

@@ -169,7 +169,7 @@ def triton_device_ok(device: torch.device) -> "tuple[bool, str]":
 
 
 def sm_count(device: DeviceLike) -> int:
-    """SMs / CUs of ``device``; on the CPU (interpreter runs) an H100/H200-like 132, so launch
+    """SMs / CUs of ``device``; on the CPU (interpreter runs) 132, a large NVIDIA GPU's count, so launch
     policies take the same shape-dependent branches as on a GPU."""
     info = device_info(device)
     return info.multiprocessors if info.type == "cuda" else 132
@@ -204,7 +204,7 @@ def flydsl_available() -> bool:
     return module_available("flydsl")
 
 
-# The AMD architectures the FlyDSL kernels are built and resource-checked for (MI355X, MI300X).
+# The AMD architectures the FlyDSL kernels are built and resource-checked for.
 FLYDSL_ARCHES = _names.FLYDSL_ARCHES
 
 

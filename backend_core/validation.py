@@ -260,10 +260,6 @@ def env_positive_int(name: str, default: int, *, power_of_two: bool = False) -> 
     return v
 
 
-def shape_str(shape: Tuple[int, ...]) -> str:
-    return "[" + ", ".join(str(s) for s in shape) + "]"
-
-
 def signature_of(*tensors) -> tuple:
     """A hashable key of tensors' shapes, dtypes, strides, devices and addresses modulo 16 (None stays
     None): what a memo of per-call-shape decisions (coverage, a chosen implementation) is keyed on. The

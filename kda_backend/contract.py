@@ -8,7 +8,6 @@ check (``FLYDSL_BACKENDS_KDA_SLOT_CHECK=1``), which is skipped while a CUDA grap
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
@@ -47,21 +46,11 @@ def _env_int(name: str, default: Optional[int]) -> Optional[int]:
         raise ValueError(f"{name}={raw!r}: expected an integer") from None
 
 
-def _env_int_renamed(name: str, old: str, default: Optional[int]) -> Optional[int]:
-    """``name``, or the deprecated ``old`` spelling of it (a warning says so)."""
-    if os.environ.get(name, "").strip() == "" and os.environ.get(old, "").strip() != "":
-        warnings.warn(f"{old} is deprecated: set {name} instead", FutureWarning, stacklevel=2)
-        name = old
-    return _env_int(name, default)
-
-
-# Read once at import: a malformed value fails loudly here, not inside a decode step. The old names
-# (KDA_DECODE_SLOT_CHECK, KDA_DECODE_SLOT_CHECK_PADDING_SLOT) still work, with a warning.
+# Read once at import: a malformed value fails loudly here, not inside a decode step.
 SLOT_CHECK_ENV = "FLYDSL_BACKENDS_KDA_SLOT_CHECK"
 SLOT_CHECK_PADDING_ENV = "FLYDSL_BACKENDS_KDA_SLOT_CHECK_PADDING_SLOT"
-SLOT_CHECK: bool = bool(_env_int_renamed(SLOT_CHECK_ENV, "KDA_DECODE_SLOT_CHECK", 0))
-SLOT_CHECK_PADDING_SLOT: Optional[int] = _env_int_renamed(SLOT_CHECK_PADDING_ENV, "KDA_DECODE_SLOT_CHECK_PADDING_SLOT",
-                                                          None)
+SLOT_CHECK: bool = bool(_env_int(SLOT_CHECK_ENV, 0))
+SLOT_CHECK_PADDING_SLOT: Optional[int] = _env_int(SLOT_CHECK_PADDING_ENV, None)
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Public FP8 paged-attention ops: ``pa_decode``, ``write_kv``, ``pa_prefill`` (docs/design.md §4).
 
 Implementations are chosen by ``backend_core.registry``; ``FLYDSL_BACKENDS_PA=torch|triton|flydsl``
-forces one when ``backend="auto"``. Status: on a GPU ``auto`` picks the Triton kernels (tested on
-an H200, see benchmarks/NOTES.md); on CPU the ``torch`` reference (Triton there runs only under
+forces one when ``backend="auto"``. Status: on an NVIDIA GPU ``auto`` picks the Triton kernels
+(performance: docs/performance.md); on CPU the ``torch`` reference (Triton there runs only under
 ``TRITON_INTERPRET=1``); on AMD the FlyDSL slot serves decode through AITER's
 FlyDSL kernel when the installed AITER has it (``pa_backend/flydsl``).
 """

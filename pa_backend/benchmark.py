@@ -43,8 +43,7 @@ DEFAULT_CONFIGS: List[Tuple[int, int, int, int, int, int, int, str]] = [
     (81, 8192, 1, 16, 1, 128, 64, "tensor"),
     (81, 8192, 1, 8, 1, 128, 16, "tensor"),
     (81, 8192, 1, 16, 1, 128, 16, "token"),
-    # a chat server's step: Llama-3.1-8B heads, 64 sequences of 512 tokens (launch and latency, not bandwidth;
-    # benchmarks/pa_probe/short_probe.py times such shapes against SGLang's own decode kernel)
+    # a chat server's step: Llama-3.1-8B heads, 64 sequences of 512 tokens (launch and latency, not bandwidth)
     (64, 512, 1, 32, 8, 128, 16, "tensor"),
 ]
 # the same cases with exact-width tables (the convenient shape: the difference is the width's cost)

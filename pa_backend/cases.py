@@ -102,7 +102,7 @@ def make_pa_case(
     # K/V of every token, written through the reference writer (values span the FP8 range)
     total = sum(context_lengths)
     if total:
-        # drawn on the device when it is a GPU (the H200 grid writes millions of tokens per case)
+        # drawn on the device when it is a GPU (the GPU grid writes millions of tokens per case)
         gk = g if device.type == "cpu" else torch.Generator(device=device).manual_seed(seed)
         key = (torch.randn(total, Hkv, D, generator=gk, device=gk.device) * 0.02 * fp8_max(fp8_dtype) / 3
                ).to(act_dtype).to(device)

@@ -1,7 +1,7 @@
 """Which FP8 format a device's KV cache uses, and its largest finite value.
 
-gfx942 (MI300X) implements the "fnuz" variant (no negative zero, NaN = 0x80, max 240); gfx950
-(MI355X) and NVIDIA GPUs implement OCP e4m3fn (NaN = 0x7f/0xff, max 448).
+gfx942 implements the "fnuz" variant (no negative zero, NaN = 0x80, max 240); gfx950 and NVIDIA
+GPUs implement OCP e4m3fn (NaN = 0x7f/0xff, max 448).
 """
 
 from __future__ import annotations

@@ -35,9 +35,8 @@ __all__ = ["Split", "plan_partitions", "work_rows", "workspace", "task_queue", "
 # SM, and none is shorter than MIN_PARTITION_TOKENS except under the small-work split
 # (SHORT_TASKS_PER_SM below). The two targets follow the kernel's program
 # size (an implementation passes its own, e.g. pa_backend.triton.split_policy); these defaults are
-# the 4-warp Triton program's. H200 (benchmarks/pa_probe/variants_H200_2026-12-03.txt): 16
-# programs/SM beat 8 by 11% at B=200/32k and 25% at B=200/200k (more waves, smaller tail), while at
-# B=81/8k 512-token partitions lost 7% to 1024-token ones.
+# the 4-warp Triton program's: 16 programs/SM beat 8 on long contexts (more waves, smaller tail), while
+# 512-token partitions lost to 1024-token ones at 8k contexts (docs/performance.md).
 PROGRAMS_PER_SM = 16
 FEW_PROGRAMS_PER_SM = 4
 # the largest targets any implementation uses: ``reserve`` sizes the workspace with them
@@ -46,14 +45,10 @@ MAX_FEW_PROGRAMS_PER_SM = 16
 MIN_PARTITION_TOKENS = 256
 LONG_PARTITION_TOKENS = 1024
 # Small work (few items x KV heads): partitions may be shorter than MIN_PARTITION_TOKENS (about sqrt(8 x
-# span) tokens) while the tasks stay at most this many per SM. H100, 8 layers per graph, 128k tables
-# (benchmarks/pa_probe/short_probe.py, PROBE_CASES=small): 16 sequences x 2 KV heads at 128 / 512 / 2048
-# tokens ran 14.5 / 20.5 / 24.9 us per layer with the 256-token floor and 11.5 / 14.7 / 22.9 us with
-# 32 / 64 / 128-token partitions; a lower floor everywhere lost up to 75% (4 x 2 at 8k: 29.8 -> 52.0 us) and
-# 5-7% where the work was larger (64 x 8 at 512 tokens: 46.4 -> 49.2 us). This rule, against the 256-token floor
-# (H100, 2026-12-06, benchmarks/results/gpu-tests/logs-2026-12-06b-h100/probe-short-small-*.txt): 1.04-1.34x at
-# 128-2048 tokens with 4-16 sequences x 2 KV heads (B=16 at 512 tokens: 20.2 -> 15.4 us), 0.94x at 4 x 2 and
-# 8k tokens (29.1 -> 31.1 us), within 2% on the larger rows; B=81/8k, B=200/32k, B=32/2k unchanged (warps-*.txt).
+# span) tokens) while the tasks stay at most this many per SM: shorter partitions shorten each task's serial
+# tile chain where the work is too small to fill the GPU, while a lower floor everywhere lost where the work was
+# larger. This rule measured 1.04-1.34x faster than the 256-token floor on small batches and left the large
+# decode cases unchanged (docs/performance.md).
 SHORT_TASKS_PER_SM = 4
 MAX_PARTITIONS = 256
 

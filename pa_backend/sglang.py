@@ -111,7 +111,7 @@ def check_server_args(cfg, is_mla: bool) -> None:
     if kv not in FP8_KV_DTYPES:
         raise ValueError(
             f"--attention-backend flydsl reads an FP8 KV cache: use --kv-cache-dtype fp8_e4m3 (got {kv!r}; on "
-            "MI300X/gfx942 the pool stores e4m3fnuz automatically)")
+            "gfx942 the pool stores e4m3fnuz automatically)")
     page = cfg.page_size
     if page not in PAGE_SIZES:
         raise ValueError(f"--attention-backend flydsl supports --page-size 16, 64 or 128 (got {page}); "

@@ -8,7 +8,7 @@ FlyDSL's build target (``backend_core.platform.flydsl_device_ok``).
 
 Status: the own kernel is compiled and resource-checked for gfx950 and gfx942 on CPU (the compile
 gate, ``flydsl-backends info --resources``); neither source has run on AMD hardware here (there
-is none). ``flydsl-backends verify`` checks them on a machine with an MI355X / MI300X.
+is none). ``flydsl-backends verify`` checks them on a gfx950 / gfx942 machine.
 """
 
 from __future__ import annotations

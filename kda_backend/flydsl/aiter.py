@@ -10,8 +10,8 @@ The signature mapped here is the documented one, which SGLang 0.5.23 also vendor
     flydsl_kda_decode(x, conv_weight, conv_bias, conv_state, raw_a, raw_beta, A_log, dt_bias, lower_bound,
                       state, state_indices, output_gate, norm_weight, norm_eps, out=None)   (raw_a = a [B, H*K])
 
-Status: these entry points are in no AITER code readable here (the GitHub mirror as of 2026-08-22: main,
-every branch and pull request); the nearest, pull request 4495 (``flydsl_kimi_k3_kda_decode*``), has other
+Status: these entry points are in no AITER code read so far (main, every branch and pull request);
+the nearest, pull request 4495 (``flydsl_kimi_k3_kda_decode*``), has other
 names and arguments and is not bound. ``find`` therefore reports AITER's KDA source unusable with such an
 AITER, and the project's own kernel serves. The mapping below is checked against a stand-in of the documented
 signature only.

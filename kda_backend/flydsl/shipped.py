@@ -9,19 +9,18 @@ specializations shipped, their VGPR budgets and how to compile one.
 combinations (conv bias, FP32 norm_weight, int64 indices, other R, the packed form with f_b / norm)
 are supported and compile on first use.
 
-``budgets.json`` (beside this file): ``budget_for(kernel_name)`` uses the entry whose key equals the
-name, else the longest key that is a prefix of it, else ``"*"``.
+``budgets.json`` (beside this file): the compile gate uses the entry whose key equals a kernel's name,
+else the longest key that is a prefix of it, else ``"*"``.
 """
 
 from __future__ import annotations
 
-import json
 import os
-from typing import List, Optional
+from typing import List
 
 from .kernel import SUPPORTED_H, Spec, compile_spec, fb_chunk_for, kernel_name, threads_of
 
-__all__ = ["SHIPPED_SPECS", "BUDGETS_PATH", "budget_for", "kernel_name", "threads_of", "compile_spec"]
+__all__ = ["SHIPPED_SPECS", "BUDGETS_PATH", "kernel_name", "threads_of", "compile_spec"]
 
 BUDGETS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "budgets.json")
 
@@ -40,13 +39,3 @@ def _shipped() -> List[Spec]:
 
 
 SHIPPED_SPECS: List[Spec] = _shipped()
-
-
-def budget_for(name: str, budgets: Optional[dict] = None) -> Optional[int]:
-    """VGPR budget of a kernel: exact name, else the longest matching prefix, else '*'."""
-    from backend_core.flydsl_compile import vgpr_budget
-
-    if budgets is None:
-        with open(BUDGETS_PATH) as f:
-            budgets = json.load(f)
-    return vgpr_budget(name, budgets.get("vgpr", {}))

@@ -156,15 +156,14 @@ def test_slot_check_env_must_be_integer(value):
     assert f"FLYDSL_BACKENDS_KDA_SLOT_CHECK_PADDING_SLOT={value!r}: expected an integer" in proc.stderr
 
 
-def test_slot_check_old_variable_names_still_work_with_a_warning():
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FLYDSL_BACKENDS_KDA_SLOT", "KDA_DECODE_SLOT"))}
-    env.update(KDA_DECODE_SLOT_CHECK="1", KDA_DECODE_SLOT_CHECK_PADDING_SLOT="7")
+def test_slot_check_variables_are_read_at_import():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYDSL_BACKENDS_KDA_SLOT")}
+    env.update(FLYDSL_BACKENDS_KDA_SLOT_CHECK="1", FLYDSL_BACKENDS_KDA_SLOT_CHECK_PADDING_SLOT="7")
     code = "from kda_backend import contract; print(contract.SLOT_CHECK, contract.SLOT_CHECK_PADDING_SLOT)"
-    proc = subprocess.run([sys.executable, "-W", "always::FutureWarning", "-c", code], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True", "7"]
-    assert "KDA_DECODE_SLOT_CHECK is deprecated: set FLYDSL_BACKENDS_KDA_SLOT_CHECK instead" in proc.stderr
 
 
 def test_specialization_cache_bounded_and_scalar_free():

@@ -55,9 +55,10 @@ def launch_config(K: int, R: int, has_f_b: bool, pairs_class: int, sms: int) -> 
     """Compiled-specialization settings for a shape class (bounded LRU; scalars are not part of it).
 
     BV (state rows per program): programs per (row, head) NV = V / BV is the smallest power of two
-    that gives >= 2 programs per SM, capped at V / 16; the f_b variant never splits (measured on an
-    H200, benchmarks/NOTES.md: B*H = 12 runs best at BV = 16 without f_b and at BV = V with it;
-    B*H >= 384 at BV = V, one program per (row, head), 4 warps). ``pairs_class`` is B*H rounded
+    that gives >= 2 programs per SM, capped at V / 16, because a small batch leaves most SMs idle
+    otherwise; the f_b variant never splits, because every program would re-form the projection
+    (measured: few (row, head) pairs run best at BV = 16 without f_b and at BV = V with it; many pairs
+    at BV = V, one program per (row, head), 4 warps). ``pairs_class`` is B*H rounded
     up to a power of two, so the cache key stays small. FLYDSL_BACKENDS_KDA_TRITON_BV / _WARPS
     override both for tuning sweeps (call ``launch_config.cache_clear()`` after changing them).
     """

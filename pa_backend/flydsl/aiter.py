@@ -20,9 +20,9 @@ gfx942 and e4m3fn on gfx950, per-tensor [1] or per-token [num_blocks, Hkv, block
   is covered.
 * Decode only: ``pa_prefill`` and ``write_kv`` have no AITER FlyDSL entry point here.
 
-What the one version of that kernel readable here requires (AITER branch ``flydsl-pa-decode-tile`` at
-fa7a9d4, 2026-08-21: ``aiter/ops/flydsl/pa_decode.py`` and ``kernels/pa_decode_tile.py``; no AMD GPU here
-to check a later one), and ``covers`` therefore declines (the call then goes to the Triton kernel):
+What the one version of that kernel read so far requires (AITER branch ``flydsl-pa-decode-tile``:
+``aiter/ops/flydsl/pa_decode.py`` and ``kernels/pa_decode_tile.py``; no AMD GPU here to check a later
+one), and ``covers`` therefore declines (the call then goes to the Triton kernel):
 * the caches, ``block_tables`` and the per-token scales contiguous: the kernel computes the caches' page
   and head strides from their shapes and a table row's from its width (vLLM's interleaved K/V pages and
   any strided layout our contract accepts would be misread; the wrapper's checks are ``assert``);

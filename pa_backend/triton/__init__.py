@@ -7,7 +7,7 @@ once per plan (``PAProblem.plan``: one forward batch) and layer shape, then reus
 a layer's call only launches. No step reads device memory on the host.
 
 Status: tested under TRITON_INTERPRET=1 on CPU, compiled for sm_90 (no spills but the measured
-exceptions in resources.SPILL_ALLOWED), and run on an H200 (the GPU grid of
+exceptions in resources.SPILL_ALLOWED), and run on NVIDIA GPUs (the GPU grid of
 pa_backend/tests/test_gpu.py); ``backend="auto"`` chooses it on NVIDIA GPUs. Not run on AMD (no AMD
 GPU here; there the task queue runs without the per-SM limit, which reads NVIDIA's %smid).
 """
@@ -74,13 +74,11 @@ def decode_tiling(D: int, BM: int, block_size: int = 16, amd: bool = False) -> T
     warp per program, BT 16. A 4-warp program splits S and acc across its warps, so every tile
     paid cross-warp max/sum reductions and a shared-memory round trip of P, each behind a barrier;
     a one-warp program has none of them and ~12 fit an SM by registers (168 each), which keeps more
-    tiles in flight. H200, 128k tables
-    (benchmarks/pa_probe/warps_H200_2026-12-04.txt): B=200/32k 914 -> 580 us, B=32/2k (GQA 4)
-    118 -> 74 us, B=81/8k 115 -> 88 us. M = 64 (4 query rows x GQA 16) keeps 4 warps, one per 16
-    rows: a single warp would hold all 64 (B=200/ql 4/200k: 8.1 -> 15.4 ms), and running each query
-    row as a one-warp work item of its own (pages read 4x, mostly from L2) took 12.7 ms.
+    tiles in flight (1.3-1.6x faster; docs/performance.md). M = 64 (4 query rows x GQA 16) keeps 4
+    warps, one per 16 rows: a single warp holding all 64 rows, or each query row as a one-warp work item
+    of its own (pages read 4x, mostly from L2), measured slower.
 
-    ``amd``: the tiling for AMD GPUs (wavefronts of 64), where nothing here has run: the H200's
+    ``amd``: the tiling for AMD GPUs (wavefronts of 64), where nothing here has run: the NVIDIA
     tiling but BT 16 at D 256, so no configuration needs scratch (at BT 32 the 8-warp D 256 program
     with per-token scales and the 5-D V layout spilled 8-20 bytes per lane on gfx942; BT 16 has
     none on gfx942 or gfx950 and fits 3-4 waves per SIMD; resources.amdgcn_report)."""
@@ -91,7 +89,7 @@ def decode_tiling(D: int, BM: int, block_size: int = 16, amd: bool = False) -> T
     if D <= 128 and BM == 16 and block_size < 64:
         bt, warps = 16, 1
     elif D == 128 and BM == 16:
-        bt = 32  # 64-token pages: 4 warps, BT 32 (107 us at B=81/8k; BT 64 124 us, one warp 113 us)
+        bt = 32  # 64-token pages: 4 warps, BT 32 measured faster than BT 64 or one warp
     bt = env_positive_int("FLYDSL_BACKENDS_PA_TRITON_BT", bt)
     if bt & (bt - 1) or bt < 16:
         raise ValueError(f"FLYDSL_BACKENDS_PA_TRITON_BT={bt}: expected a power of two >= 16")
@@ -103,10 +101,8 @@ def decode_tiling(D: int, BM: int, block_size: int = 16, amd: bool = False) -> T
 def split_policy(warps: int) -> Tuple[int, int]:
     """(programs per SM, few programs per SM) the split-K planner aims for with programs of
     ``warps`` warps (planner.plan_partitions): one-warp programs fit ~12 per SM, so they need more
-    partitions to fill the GPU than the 4-warp ones (5 per SM). H200, one warp
-    (benchmarks/pa_probe/warps_H200_2026-12-04.txt): 32 / 8 gave B=81/8k 88 us, B=200/32k 582 us,
-    B=32/2k 71 us; 16 / 8 was 1-7% slower at 32k, 16 / 4 up to 20%.
-    FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM / _FEW_PROGRAMS_PER_SM override them (tuning)."""
+    partitions to fill the GPU than the 4-warp ones (5 per SM); 32 / 8 measured best for one warp
+    (16 / 8 and 16 / 4 slower). FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM / _FEW_PROGRAMS_PER_SM override them (tuning)."""
     pps, few = (32, 8) if warps == 1 else (PROGRAMS_PER_SM, FEW_PROGRAMS_PER_SM)
     return (env_positive_int("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", pps),
             env_positive_int("FLYDSL_BACKENDS_PA_FEW_PROGRAMS_PER_SM", few))
@@ -118,14 +114,13 @@ def prefill_tiling(D: int, G: int, block_size: int = 16, amd: bool = False,
     """(query rows per work item, BT, warps, stages) of a prefill launch: a work item is a tile of
     query rows of one sequence times its GQA group (the dots' M = rows * G). FLYDSL_BACKENDS_PA_PREFILL_M
     / _BT / _WARPS / _STAGES override them (call ``prefill_tiling.cache_clear()`` after changing them).
-    H200 sweeps (benchmarks/results/pa_sweep_H200_2026-12-03.txt, D=128, GQA 4, 128k tables, B=4 x
-    2048 new on a 6144 prefix): M 256, BT 64, 8 warps, 2 stages 3.70 ms; M 128 with 4 warps 4.06 ms,
-    with 8 warps 4.95 ms (the best spill-free setting). ptxas spills 164 bytes at M 256 with Triton
-    3.6; the resource test allows exactly this configuration's spills (SPILL_ALLOWED in resources.py).
+    On NVIDIA, D=128: M 256, BT 64, 8 warps, 2 stages, the fastest setting of a tuning sweep (about 10%
+    ahead of M 128 with 4 warps; docs/performance.md), although ptxas spills 164 bytes at M 256 with
+    Triton 3.6; the resource test allows exactly this configuration's spills (SPILL_ALLOWED in resources.py).
 
     ``m``: this M instead (the Gluon kernel's 128-row prefill items, gluon_prefill).
 
-    ``amd``: the tiling for AMD GPUs, not run there (no AMD GPU here). The H200's M 256 / 8-warp tile
+    ``amd``: the tiling for AMD GPUs, not run there (no AMD GPU here). NVIDIA's M 256 / 8-warp tile
     needs all 256 VGPRs and 64 KB of LDS there and spills ~500 bytes per lane (gfx942 496, gfx950 524):
     an 8-wave workgroup caps a wave at 256 registers. D <= 128 takes M 128, BT 64, 4 warps, 1 stage
     instead (the tile sizes vLLM 0.33's paged prefix-prefill Triton kernel launches with on ROCm as on
@@ -147,8 +142,8 @@ def register_cap(warps: int, queue: bool = True, decode: bool = True):
     """ptxas' register cap of a partition launch of ``warps`` warps on NVIDIA (None: no cap): the task
     queue's programs (``queue``); a grid launch of multi-warp decode programs only under the override;
     one-warp grid launches and prefill none. One-warp queue programs: 168, so 12 fit an SM; without it
-    the queue loop compiles to 207 registers (9 per SM) and ran B=81/8k in 129 us instead of 81 us (a
-    cap of 184, 11 per SM: 128 us; H200, benchmarks/pa_probe/grid_H200_2026-12-04.txt).
+    the queue loop compiles to 207 registers (9 per SM) and runs far slower (so did a cap of 184, 11 per SM;
+    docs/performance.md).
     FLYDSL_BACKENDS_PA_TRITON_MAXNREG overrides it (0: no cap)."""
     raw = os.environ.get("FLYDSL_BACKENDS_PA_TRITON_MAXNREG", "").strip()
     if not (queue or (warps > 1 and decode and raw)) or raw == "0":
@@ -291,10 +286,9 @@ class _Launch:
         self.ws = workspace(p.device, self.items, c.Hkv, self.split.P, self.BM, self.D) if self.items else None
         # one-warp decode programs of a shape-only plan (the table width bounds the context: CUDA graphs,
         # eager calls) take tasks from a device queue (pa_decode.py): such a grid carries programs past
-        # each sequence's split, and the live ones land unevenly (B=81/8k at a 128k table: 89 us on the
-        # grid, 83 us on the queue). A plan that knows its batch's max context sizes the grid to it, and
-        # the grid is then the faster (B=81/8k 78 vs 82 us, B=32/2k 64 vs 67 us; mixed 100..32k 143 vs
-        # 142 us; H200, benchmarks/pa_probe/grid_H200_2026-12-04.txt). Larger programs keep the grid.
+        # each sequence's split, and the live ones land unevenly. A plan that knows its batch's max context
+        # sizes the grid to it, and the grid is then as fast or faster (measured; docs/performance.md).
+        # Larger programs keep the grid.
         self.queue_mode = (p.is_decode and self.warps == 1 and not p.num_partitions
                            and (plan is None or plan.max_context is None))
         self.queue = task_queue(p.device) if self.items else None
@@ -456,10 +450,8 @@ def gluon_ws(p: PAProblem, L: "_Launch") -> bool:
     """Whether the plan's layers run on the warp-specialized Gluon kernel (gluon_decode.py) where they can:
     Hopper (sm_90: wgmma; not in Triton's interpreter), decode programs of 64 rows launched on a grid with a
     reduce (P > 1; FLYDSL_BACKENDS_PA_GLUON=1), and prefill items of 128 rows too (=all): ``gluon_eligible``.
-    Opt-in. H100 (benchmarks/pa_probe/gluon_H100_2026-12-06.txt, CUDA-graph replay against the Triton kernel in
-    the same run; ring depth 4): the ql 4 decode 1.03x at B=200 / 200k and 1.06-1.20x at B=5-64 with 70-8192
-    tokens; prefill at 128 rows 0.98-0.99x the Triton kernel's 256-row items on the bench's long cases,
-    1.02-1.05x on shorter ones. Not timed on an H200. It launches through Triton's ``kernel[grid]`` at every layer
+    Opt-in, because it measured within a few percent of the Triton kernel on the long cases (faster on shorter
+    batches; docs/performance.md) and has run on one GPU model only. It launches through Triton's ``kernel[grid]`` at every layer
     (no bound launch: more host time per layer in eager steps; none under CUDA graphs). Each layer is checked again
     (``gluon_covers``): the launch state is made from a plan's first layer, and a later one may have a sliding
     window (models that alternate them), other scales, another cache layout or alignment; such a layer takes the
@@ -516,7 +508,7 @@ def _run_gluon(L: "_Launch", sinks, p: PAProblem, slots: Optional[int] = None,
     fp32 pointer. The caller has zeroed the rows outside every sequence and skipped empty batches
     (_clear_unworked_rows). ``slots`` /
     ``producer_regs`` / ``maxnreg`` / ``consumer_regs``: the ring depth and register split (None: the
-    defaults for the item's rows; other values for benchmarks/pa_probe/gluon_decode.py's variants)."""
+    defaults for the item's rows; other values for tuning experiments)."""
     from .gluon_decode import gluon_partition_kernel  # imports triton's gluon
 
     c, sp = p.cache, L.split
@@ -550,9 +542,8 @@ def fp8_qk(device: torch.device, cache, BM: int, query_dtype: torch.dtype) -> bo
     for the wgmma programs (M >= 64 rows: multi-token decode, prefill) on NVIDIA sm_89+ with e4m3fn
     caches and BF16 queries. Never for FP16 queries (the override included): the pair holds 8 significant
     bits, BF16's but not FP16's 11, so it would cut an FP16 query (rel. error 3.6e-3 against 2.2e-4 with
-    FP16 dots on a 40-row prefill). H200, 128k tables (benchmarks/pa_probe/mma8_H200_2026-12-04.txt):
-    B=200/ql 4/200k 8.06 -> 5.69 ms, prefill B=4 x 2048 on a 6144 prefix 3.72 -> 3.21 ms, 2048 on a 30k
-    prefix 4.10 -> 3.58 ms, B=8 x 1024 509 -> 474 us; rel. error 1.71e-3 (1.65e-3 with FP16 dots). One-warp M = 16 programs keep
+    FP16 dots on a 40-row prefill). It is on because it measured 1.1-1.4x faster on the multi-token decode and
+    prefill cases at the same error (docs/performance.md). One-warp M = 16 programs keep
     FP16 dots (their operands pass through registers anyway); AMD keeps them too (not run there).
     FLYDSL_BACKENDS_PA_FP8_QK=0 / 1 overrides the default (1 also runs it in Triton's interpreter, where
     the CPU tests check it)."""

@@ -29,14 +29,12 @@
 # Shared memory: NBUF x 16 KB ring, 16 KB FP16 V and 16 KB query per consumer: 96 KB at NBUF 4 with one
 # consumer (two CTAs per SM), 128 KB at NBUF 4 with two (one CTA per SM).
 # Chosen by FLYDSL_BACKENDS_PA_GLUON=1 (decode) / all (and prefill): pa_backend/triton/__init__.py gluon_ws.
-# Measured on an H100 (benchmarks/pa_probe/gluon_H100_2026-12-06.txt; the GPU tests in
-# pa_backend/tests/test_gluon.py passed there): the ql 4 decode 1.03x the Triton kernel at B=200 / 200k
-# (57.8% of the copy bandwidth), 1.06-1.20x on shorter batches; prefill 0.98-1.05x (ring depth 4). ncu at the
-# 200k case: L2 throughput 87% with DRAM at 52% and an L2 hit rate of 57%, 16 warps per SM (two CTAs: registers and
-# shared memory), stalls mostly at CTA barriers (41%) and shared-memory scoreboards (31%). A CTA takes ~2.5 us
-# per tile where its dots, exp2 and copies need a fraction of that: what limits it is not settled (leads in
-# benchmarks/NOTES.md: one block-id load per page instead of per token, one barrier per tile, bulk copies of whole
-# 2 KB pages; K's x-packed page appears to be wgmma's unswizzled K-major layout already).
+# Measured on one Hopper GPU model (figures in docs/performance.md; pa_backend/tests/test_gluon.py's GPU tests
+# passed there): about as fast as the Triton kernel on the long multi-token decode, faster on shorter batches,
+# within a few percent on prefill, hence opt-in. Profiles show it stalling mostly at CTA barriers and
+# shared-memory scoreboards, with a tile taking several times what its dots and copies need; what limits it is
+# not settled (candidates: one block-id load per page instead of per token, one barrier per tile, bulk copies of
+# whole 2 KB pages; K's x-packed page appears to be wgmma's unswizzled K-major layout already).
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl

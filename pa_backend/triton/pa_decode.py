@@ -18,9 +18,8 @@
 #   sized to the table width): a grid of one wave of resident programs takes tasks from
 #   a device counter (partition-major from the batch's longest split down: long partitions first).
 #   A shape-only grid at a 128k-token table carries ~3 programs past each sequence's split per live
-#   one, and the hardware then places the live ones unevenly (up to 12 on some SMs, 8 on others:
-#   H200, benchmarks/pa_probe/grid_H200_2026-12-04.txt): B=81/8k ran 89 us against 78 us with an
-#   exact-width table. With the queue the programs of one SM that take tasks are capped at
+#   one, and the hardware then places the live ones unevenly (up to 12 on some SMs, 8 on others),
+#   so such a grid ran measurably slower than with an exact-width table. With the queue the programs of one SM that take tasks are capped at
 #   ceil(tasks / SMs) (per-SM counters by %smid), the batch's longest split bounds the task space, and
 #   the reduce kernel sets the counters back to zero for the next launch.
 # The M dimension of the dots is the GQA group times the query rows: row m = i*G + g is query row
@@ -43,7 +42,7 @@
 # block id) so the pipeliner copies K from global memory straight into the wgmma's shared-memory layout
 # (no FP8 -> FP16 widening of K, no register round trip); the query enters as two FP8 tiles, hi + lo / 16,
 # which hold the BF16 query exactly (_split_query_fp8), and S = hi.K + (lo.K) / 16. V is still widened to
-# FP16 for P @ V (FP8 P splits were not faster on the H200: benchmarks/pa_probe/mma8_H200_2026-12-04.txt).
+# FP16 for P @ V (P split into FP8 terms measured no faster, and one FP8 term alone breaks the error bound).
 # Two loops per partition: tiles every query row sees whole (below the first row's position and
 # past the last row's window start) run unmasked (no load masks, no score masks, no NaN clearing:
 # all their tokens are written context); the few others (a window's edge, the causal diagonal, the
@@ -51,7 +50,7 @@
 # Warps (decode_tiling): M = 16 decode programs are one warp (S, P and acc stay in that warp's
 # registers: no cross-warp reduction, no shared-memory round trip of P, ~12 programs per SM); larger
 # M splits rows across 4 or 8 warps.
-# Pipelining (H200, Triton 3.6): the block-id load is one indirection above the K/V loads, so
+# Pipelining (Triton 3.6): the block-id load is one indirection above the K/V loads, so
 # num_stages <= 4 gives the K/V copies one shared buffer (no overlap inside a program); 5 gives two.
 # Table entries are read only for tokens inside the partition, so stale ids past a sequence's
 # extent are never dereferenced. K's NaN bytes in unused slots of a live page only reach scores,
@@ -123,7 +122,7 @@ def _partition_span(ctx, nrows, sliding_window, P, few_target, min_pt, long_pt, 
     where the batch's work is small (few items x KV heads: ``short_target`` > 1, the planner's
     SHORT_TASKS_PER_SM x SMs / work): there up to ``short_target`` partitions of about sqrt(8 x span)
     tokens (32 at 128 tokens, 64 at 512, 128 at 2048), which shortens each task's serial tile chain
-    while the tasks stay few (H100, benchmarks/NOTES.md fifteenth session)."""
+    while the tasks stay few."""
     lo = tl.where(sliding_window > 0, tl.maximum(ctx - nrows + 1 - sliding_window, 0), 0)
     lo = (lo // ALIGN) * ALIGN
     span = tl.maximum(ctx - lo, 0)
@@ -406,8 +405,8 @@ def _partition_task(
 
 # Scalars that change with the batch or the plan are not specialized: Triton would otherwise compile a
 # variant per class of value (== 1, a multiple of 16, other) of each, so a server's first steps with new
-# batch sizes, split counts or contexts stalled on compiles (an SGLang engine on the H200 compiled twice
-# inside steps 200-600 of a steady decode run: benchmarks/pa_probe/README.md). Strides stay specialized
+# batch sizes, split counts or contexts stalled on compiles (an SGLang engine was seen compiling in the middle
+# of a steady decode run). Strides stay specialized
 # (their divisibility is what vectorizes the loads).
 BATCH_SCALARS = ("n_items", "P", "num_sms", "sliding_window", "max_tokens", "num_blocks", "few_target", "min_pt",
                  "long_pt", "short_target")

@@ -18,12 +18,11 @@ SHIPPED_CONFIGS = [(D, bs, m, v5, pt) for D in (64, 128, 256) for bs in (16, 64,
                    for v5, pt in ((False, False), (True, True))]
 
 # Spill bytes (stores) allowed per configuration; every other shipped configuration must not spill.
-# Prefill D=128, M=256 (8 warps): 164 bytes with Triton 3.6, and on the H200 25% faster than the best
-# spill-free setting (prefill_tiling's docstring has the figures).
+# Prefill D=128, M=256 (8 warps): 164 bytes with Triton 3.6, kept because it measured faster than the best
+# spill-free setting (prefill_tiling's docstring says why).
 # Decode D=128, M=16, one warp, task queue, capped at 168 registers (register_cap: 12 programs per SM):
-# 4 bytes with tensor scales (H200: B=81/8k 82 us; uncapped, 207 registers and 9 per SM, 129 us), 48 with
-# the 5-D V layout and per-token scales (not timed on the GPU; the 4-D layout with per-token scales ran
-# B=81/8k in 89 us against 99.5 us before the queue).
+# 4 bytes with tensor scales (kept: the uncapped program, 207 registers and 9 per SM, was much slower), 48 with
+# the 5-D V layout and per-token scales (not timed on the GPU).
 # The same prefill program writing its rows itself (P = 1, no reduce): 244 bytes (not timed alone; the
 # engine's eager steps run it).
 # Where they sit (ptxas_report's hot_spills, from the SASS): the decode programs' spills are all outside their
@@ -32,7 +31,7 @@ SHIPPED_CONFIGS = [(D, bs, m, v5, pt) for D in (64, 128, 256) for bs in (16, 64,
 # The D=256 one-query programs with the 5-D V layout and per-token scales (128 registers; task and direct
 # launches): 4 bytes since context lengths are clamped where they are read (input safety; registers unchanged,
 # the spill is outside their tile loops; not timed on the GPU).
-# The small-work split (fifteenth session: one more batch scalar, the sqrt rule in _partition_span) raised the
+# The small-work split (one more batch scalar, the sqrt rule in _partition_span) raised the
 # one-warp queue program's spills outside its tile loops from 4 to 40 bytes (48 -> 72 with the 5-D V layout and
 # per-token scales); none in the tile loops (hot_spills 0).
 SPILL_ALLOWED = {("prefill", 128, 256): 512, ("direct-prefill", 128, 256): 512, (128, 16, 16, False, False): 40,

@@ -40,7 +40,7 @@ def _round_to_fp8_grid(x, FMAX: tl.constexpr, MIN_EXP: tl.constexpr):
 def _quantize_store(b_x, p_cache_tok, o_cache, p_scale_tok, live, FMAX: tl.constexpr, MIN_EXP: tl.constexpr,
                     NAN_BYTE: tl.constexpr, PER_TOKEN: tl.constexpr):
     # IEEE divisions (div_rn): Triton's `/` on fp32 is the approximate div.full.f32 on NVIDIA, which left
-    # per-token scales 1 ulp off the reference writer's on the H200 (benchmarks/NOTES.md, tenth session)
+    # per-token scales 1 ulp off the reference writer's on a GPU
     if PER_TOKEN:
         sc = tl.maximum(tl.math.div_rn(tl.max(tl.abs(b_x), 0), FMAX), 1.1754943508222875e-38)
         # a NaN in the token makes its scale NaN, as torch's amax does (tl.max / tl.maximum skip NaN)
