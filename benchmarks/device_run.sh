@@ -3,7 +3,7 @@
 # bench-kda bench-pa bench-pa-nreg<N>
 # sweep-pa e2e-vllm
 # e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang spec-sglang kimi-sglang
-# probe-warps probe-grid probe-tail probe-short probe-short-vllm profile-vllm host-vllm host-sglang small-work ncu-decode ncu-gluon gluon-decode gluon-ws gluon-won
+# host-vllm host-sglang gluon-ws
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
 # Optional wheels (fla-core for the composed KDA baseline) travel in .whl/ and go to /tmp/site.
@@ -90,7 +90,7 @@ for step in $steps; do
     serve-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider -rfs
                        integration_tests/e2e/test_sglang_serve.py) ;;
     # SGLang speculative decoding (STANDALONE, EAGLE) with the target on flydsl, on sglang_gpu's platform.
-    # Step times on an H100: spec-sglang ~185 s, kimi-sglang 120-200 s, tests-e2e-vllm ~95-120 s, serve-sglang 55-95 s,
+    # Step times on one NVIDIA GPU: spec-sglang ~185 s, kimi-sglang 120-200 s, tests-e2e-vllm ~95-120 s, serve-sglang 55-95 s,
     # serve-vllm ~90 s, tests-kda ~170 s, e2e-sglang ~240 s for 8 engines (ENGINE_BENCH_ORDER=once; the default
     # both orders run 16, ~8 min: give it a call of its own); a
     # STEP_TIMEOUT below a step's time kills its engine processes too (timeout signals the whole process group)
@@ -105,36 +105,20 @@ for step in $steps; do
     tests-pa) cmd=(python3 -m pytest -q ${PA_TESTS:-pa_backend} -p no:cacheprovider -rf) ;;
     verify) cmd=(python3 -m flydsl_backends verify) ;;
     accuracy) cmd=(python3 -m flydsl_backends accuracy) ;;
-    # one family per step, each under its own STEP_TIMEOUT (the PA part's float64 reference takes ~1 min on the
-    # H200 at 2000 steps; ACCURACY_STEPS overrides the count)
+    # one family per step, each under its own STEP_TIMEOUT (the PA part's float64 reference takes ~1 min on a
+    # GPU at 2000 steps; ACCURACY_STEPS overrides the count)
     accuracy-kda|accuracy-pa) cmd=(python3 -m flydsl_backends accuracy --op "${step#accuracy-}"
                                    ${ACCURACY_STEPS:+--steps "$ACCURACY_STEPS"}) ;;
     bench-kda|bench-pa) cmd=(python3 -m flydsl_backends bench "${step#bench-}" --out "$out/${step#bench-}_bench.csv" ${BENCH_ARGS:-}) ;;
-    # the paged decode with the one-warp program's register cap lowered (benchmarks/NOTES.md, ninth session);
+    # the paged decode with the one-warp program's register cap set to N (a tuning check);
     # no gather + SDPA baseline (the cap does not change it: bench-pa times it)
     bench-pa-nreg*) cmd=(env FLYDSL_BACKENDS_PA_TRITON_MAXNREG="${step#bench-pa-nreg}" python3 -m flydsl_backends bench pa
                          --no-baseline --out "$out/pa_bench_${step#bench-}.csv") ;;
     sweep-pa) cmd=(python3 benchmarks/sweep_pa_triton.py "${SWEEP_SECONDS:-300}") ;;
-    # probes (benchmarks/pa_probe/): decode warps/BT/stages with accuracy; where a vLLM graph step's time goes
-    probe-warps) cmd=(python3 benchmarks/pa_probe/warps_probe.py "${PROBE_SECONDS:-300}") ;;
-    probe-grid) cmd=(python3 benchmarks/pa_probe/grid_probe.py "${PROBE_SECONDS:-300}") ;;
-    # the reduce against a base commit's kernels, split sizes (PROBE_BASE_COMMIT, PROBE_VARIANTS)
-    probe-tail) cmd=(python3 benchmarks/pa_probe/tail_probe.py "${PROBE_SECONDS:-300}") ;;
-    # short and mid contexts at the engines' head counts, many layers per graph, against SGLang's own decode kernel
-    probe-short) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 benchmarks/pa_probe/short_probe.py
-                      "${PROBE_SECONDS:-400}") ;;
-    # the same against vLLM's TRITON_ATTN (the tree again, for a same-process comparison)
-    probe-short-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" PROBE_VARIANTS=tree,vllm
-                           python3 benchmarks/pa_probe/short_probe.py "${PROBE_SECONDS:-300}") ;;
     # the host time of one layer's call through each adapter, the Triton kernels launched (integration_tests/*/host_time.py)
     # (HOST_TIME_ARGS=--profile: a cProfile of the layer calls too)
     host-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" VLLM_TARGET_DEVICE=cpu python3 -m integration_tests.vllm.host_time 1000 --gpu ${HOST_TIME_ARGS:-}) ;;
     host-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m integration_tests.sglang.host_time 1000 --gpu ${HOST_TIME_ARGS:-}) ;;
-    profile-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 benchmarks/pa_probe/engine_step_profile.py) ;;
-    # the small-work split's checks (pa_backend/planner.py SHORT_TASKS_PER_SM): the partition floors' probe and the
-    # decode rows it must not slow (B=81/8k, B=200/32k, B=32/2k)
-    small-work) cmd=(bash -c "PROBE_CASES=small PROBE_VARIANTS=tree python3 benchmarks/pa_probe/short_probe.py 60 &&
-                     PROBE_SETTINGS=default PROBE_CONFIGS=0,1,3 python3 benchmarks/pa_probe/warps_probe.py 120") ;;
     # the Gluon kernel in the Triton backend (opt-in, FLYDSL_BACKENDS_PA_GLUON=1 / all): its CPU and GPU tests, then
     # the bench with it on for decode and prefill (the ql 4 decode row and the prefill rows take it)
     # (GLUON_BENCH=0: the tests only)
@@ -142,19 +126,6 @@ for step in $steps; do
                    a=\$?; [ \"${GLUON_BENCH:-1}\" = 0 ] && exit \$a;
                    FLYDSL_BACKENDS_PA_GLUON=all python3 -m flydsl_backends bench pa --no-baseline --out $out/pa_bench_gluon.csv;
                    exit \$((a | \$?))") ;;
-    # exit 0 when gluon-decode's log shows the Gluon kernel correct and faster at the ql 4 target
-    gluon-won) cmd=(python3 benchmarks/pa_probe/gluon_won.py "$out/gluon-decode.txt") ;;
-    # the warp-specialized Gluon partition kernel for the ql 4 decode against the shipped one (accuracy, graph
-    # timings; benchmarks/pa_probe/gluon_decode.py; GL_MAXNREG: the launch's register cap, 128 = 2 CTAs per SM)
-    gluon-decode) cmd=(env GL_MAXNREG="${GL_MAXNREG:-128}" python3 benchmarks/pa_probe/gluon_decode.py "${PROBE_SECONDS:-240}") ;;
-    # ncu of one decode call's partition kernel (NCU_CASE="B,ctx,ql", default the ql 4 decode at 200k, 128k
-    # tables): speed of light, pipe utilization, warp stalls, occupancy
-    # (ncu-gluon: the same for the Gluon probe kernel, gluon_decode.py)
-    ncu-decode|ncu-gluon) cmd=(env NCU_GLUON=$([ "$step" = ncu-gluon ] && echo 1 || echo 0) NCU_CASE="${NCU_CASE:-200,200000,4}" NCU_TABLE_TOKENS="${NCU_TABLE_TOKENS:-131072}"
-                     ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis
-                     --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy
-                     --section LaunchStats --section InstructionStats -k regex:partition_kernel -s 1 -c 1
-                     python3 benchmarks/pa_probe/ncu_one.py) ;;
     *) echo "unknown step $step"; rc=2; continue ;;
   esac
   timeout "${STEP_TIMEOUT:-900}" "${cmd[@]}" > "$out/$step.txt" 2>&1
