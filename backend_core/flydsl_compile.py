@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-
-from .names import FLYDSL_ARCHES
 import re
 from typing import Dict, List, Optional
+
+from .names import FLYDSL_ARCHES
 
 __all__ = [
     "ARCHES",
@@ -68,7 +68,8 @@ def toolchain_problems() -> List[str]:
     rocm = os.environ.get("ROCM_PATH", "/opt/rocm")
     lld = os.path.join(rocm, "llvm", "bin", "ld.lld")
     if not (os.path.isfile(lld) and os.access(lld, os.X_OK)):
-        problems.append(f"linker {lld} is missing or not executable (set ROCM_PATH; python -m flydsl_backends.compile_gate builds a compile-only one)")
+        problems.append(f"linker {lld} is missing or not executable (set ROCM_PATH; python -m "
+                        "flydsl_backends.compile_gate builds a compile-only one)")
     for bc in ("ockl.bc", "ocml.bc"):
         path = os.path.join(rocm, "amdgcn", "bitcode", bc)
         if not os.path.isfile(path):

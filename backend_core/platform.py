@@ -247,7 +247,8 @@ def _flydsl_device_ok(index: Optional[int], target: Optional[str], target_why: s
         return False, "FlyDSL kernels need an AMD GPU (the tensors are on the CPU)"
     info = _cuda_device_info(index)
     if not info.is_amd:
-        return False, f"cuda:{index} is {info.name} ({info.arch}); FlyDSL kernels need an AMD GPU ({'/'.join(FLYDSL_ARCHES)})"
+        return False, (f"cuda:{index} is {info.name} ({info.arch}); FlyDSL kernels need an AMD GPU "
+                       f"({'/'.join(FLYDSL_ARCHES)})")
     if info.arch not in FLYDSL_ARCHES:
         return False, f"cuda:{index} is {info.arch}; the FlyDSL kernels are built for {'/'.join(FLYDSL_ARCHES)} only"
     if target is None:
@@ -271,7 +272,8 @@ def flydsl_device_ok(device: DeviceLike = None) -> "tuple[bool, str]":
     if dev.type != "cuda":
         return False, f"device type {dev.type!r}: FlyDSL kernels need an AMD GPU"
     if not has_gpu() or dev.index >= torch.cuda.device_count() or dev.index < 0:
-        return False, f"device: no GPU with index {dev.index} (torch sees {torch.cuda.device_count() if has_gpu() else 0})"
+        seen = torch.cuda.device_count() if has_gpu() else 0
+        return False, f"device: no GPU with index {dev.index} (torch sees {seen})"
     target, why = flydsl_build_target()
     return _flydsl_device_ok(dev.index, target, why)
 
@@ -280,7 +282,8 @@ def summary() -> dict:
     """A dict for ``flydsl-backends info`` and benchmark rows."""
     out = {
         "torch": torch.__version__,
-        "torch_build": "rocm " + torch.version.hip if is_hip() else ("cuda " + str(torch.version.cuda) if torch.version.cuda else "cpu"),
+        "torch_build": ("rocm " + torch.version.hip if is_hip()
+                        else "cuda " + str(torch.version.cuda) if torch.version.cuda else "cpu"),
         "triton": _version_of("triton"),
         "flydsl": _version_of("flydsl"),
         "triton_interpreter": triton_interpreter_enabled(),
@@ -289,7 +292,8 @@ def summary() -> dict:
     if has_gpu():
         for i in range(torch.cuda.device_count()):
             d = device_info(i)
-            out["devices"].append(f"cuda:{i} {d.name} ({d.arch}, {d.multiprocessors} SMs/CUs, {d.total_memory / 2**30:.0f} GiB)")
+            out["devices"].append(f"cuda:{i} {d.name} ({d.arch}, {d.multiprocessors} SMs/CUs, "
+                                  f"{d.total_memory / 2**30:.0f} GiB)")
     else:
         out["devices"].append("cpu only (no CUDA/ROCm device visible to torch)")
     return out

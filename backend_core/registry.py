@@ -105,7 +105,8 @@ class OpRegistry:
     def get(self, name: str) -> Implementation:
         if name not in self._impls:
             raise ValueError(
-                f"backend: {name!r} is not an implementation of {self.family} (expected 'auto' or one of {sorted(self._impls)})"
+                f"backend: {name!r} is not an implementation of {self.family} (expected 'auto' or one of "
+                f"{sorted(self._impls)})"
             )
         return self._impls[name]
 
@@ -140,7 +141,8 @@ class OpRegistry:
     # -- selection ----------------------------------------------------------------------------
     def requested_backend(self, backend: str) -> str:
         if not isinstance(backend, str):
-            raise TypeError(f"backend: expected a str ('auto' or one of {sorted(self._impls)}), got {type(backend).__name__}")
+            raise TypeError(f"backend: expected a str ('auto' or one of {sorted(self._impls)}), got "
+                            f"{type(backend).__name__}")
         if backend == "auto":
             forced = os.environ.get(self.env_var, "").strip()
             if forced and forced != "auto":

@@ -118,7 +118,7 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30, trials: int = 30, device: Optiona
     for fn in (lambda i: dst.copy_(src), lambda i: torch.mul(src, 1.0, out=dst)):
         t = time_cuda_graph(fn, inner=4, trials=trials, warmup=2, device=device)
         best = max(best, 2 * src.numel() * 4 / (t.median_us * 1e-6) / 1e9)
-    del src, dst
+    src = dst = None  # freed before the caller allocates its own buffers
     torch.cuda.empty_cache()
     return best
 
@@ -211,7 +211,8 @@ def bench_context(progress=print) -> BenchContext:
     return ctx
 
 
-def result_row(ctx: BenchContext, op: str, impl: str, shape: str, t: Timing, nbytes: int, notes: str = "") -> Dict[str, object]:
+def result_row(ctx: BenchContext, op: str, impl: str, shape: str, t: Timing, nbytes: int, notes: str = "") -> Dict[str,
+                                                                                                                   object]:
     """One CSV row (RESULT_FIELDS): time, logical GB/s and % of the run's copy bandwidth."""
     gbps = nbytes / (t.median_us * 1e-6) / 1e9
     return {"date": ctx.date, "commit": ctx.commit, "device": ctx.device_name, "op": op, "impl": impl, "shape": shape,

@@ -131,7 +131,8 @@ def require_non_overlapping(t: torch.Tensor, name: str, dims: Optional[Sequence[
         span += stride * (size - 1)
 
 
-def require_float(v, name: str, *, finite: bool = True, positive: bool = False, optional: bool = False) -> Optional[float]:
+def require_float(v, name: str, *, finite: bool = True, positive: bool = False,
+                  optional: bool = False) -> Optional[float]:
     if v is None:
         if optional:
             return None

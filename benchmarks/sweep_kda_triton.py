@@ -38,5 +38,5 @@ for state_dtype in (torch.float32, torch.bfloat16):
             res.sort()
             best = ", ".join(f"BV={bv}/w{w}: {us:.2f}" for us, bv, w in res[:4])
             print(f"{str(state_dtype)[6:]:>8} f_b={int(with_f_b)} B={B:>3} floor {floor:6.2f} us | {best}", flush=True)
-            del sets
+            sets = None  # the cases' tensors go before the next shape allocates
             torch.cuda.empty_cache()

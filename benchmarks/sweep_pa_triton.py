@@ -27,7 +27,8 @@ copy = copy_bandwidth_gbps()
 print(f"copy {copy:.0f} GB/s", flush=True)
 ENV = ("FLYDSL_BACKENDS_PA_PROGRAMS_PER_SM", "FLYDSL_BACKENDS_PA_TRITON_WARPS", "FLYDSL_BACKENDS_PA_TRITON_STAGES",
        "FLYDSL_BACKENDS_PA_TRITON_BT", "FLYDSL_BACKENDS_PA_PREFILL_M", "FLYDSL_BACKENDS_PA_PREFILL_BT",
-       "FLYDSL_BACKENDS_PA_PREFILL_WARPS", "FLYDSL_BACKENDS_PA_PREFILL_STAGES", "FLYDSL_BACKENDS_PA_FEW_PROGRAMS_PER_SM")
+       "FLYDSL_BACKENDS_PA_PREFILL_WARPS", "FLYDSL_BACKENDS_PA_PREFILL_STAGES",
+       "FLYDSL_BACKENDS_PA_FEW_PROGRAMS_PER_SM")
 
 
 def grid(spec):
@@ -56,7 +57,8 @@ def sweep(label, kw, make_plan, names, settings, nbytes, flops):
     res.sort()
     tag = "/".join(n.split("_")[-1].lower() for n in names)
     best = ", ".join(f"{tag}={'/'.join(map(str, v))}: {us:.1f} us "
-                     + (f"({100 * nbytes / (us * 1e-6) / 1e9 / copy:.0f}%)" if not flops else f"({flops / us / 1e6:.0f} TF/s)")
+                     + (f"({100 * nbytes / (us * 1e-6) / 1e9 / copy:.0f}%)" if not flops
+                        else f"({flops / us / 1e6:.0f} TF/s)")
                      for us, v in res[:6])
     print(f"{label} | {best}", flush=True)
 
@@ -68,7 +70,8 @@ for i in pick:
     names = ENV[:4]
     settings = grid((("SWEEP_PPS", "16,32"), ("SWEEP_WARPS", "1,4"), ("SWEEP_STAGES", "5,6"), ("SWEEP_BT", "16,32")))
     sweep(f"decode B={B} ctx={ctx} ql={ql} Hq={Hq} page={bs} {scales}", kw,
-          lambda kw=kw, ql=ql: plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql, backend="triton"),
+          lambda kw=kw, ql=ql: plan_decode(kw["block_tables"], kw["context_lengths"], query_length=ql,
+                                           backend="triton"),
           names, settings, kv_bytes(B, ctx, Hkv, D, scales), 0)
     del kw
     torch.cuda.empty_cache()

@@ -140,7 +140,8 @@ def _worker(arch: str, only: Optional[str]) -> int:
         row["compile_s"] = round(time.perf_counter() - t0, 2)
         threads = mod.threads_of(spec)
         if "error" not in row:
-            row["waves"] = flydsl_compile.waves_per_simd(row.get("vgpr", 0), row.get("agpr", 0), row.get("lds", 0), arch,
+            row["waves"] = flydsl_compile.waves_per_simd(row.get("vgpr", 0), row.get("agpr", 0), row.get("lds", 0),
+                                                         arch,
                                                          threads)
         print(json.dumps(row), flush=True)
         print(f"[{arch}] {i + 1}/{len(specs)} {name} {row['compile_s']} s", file=sys.stderr, flush=True)
@@ -162,7 +163,8 @@ def run_gate(arches=ARCHES, only: Optional[str] = None, vgpr_budget_override: Op
         env = dict(os.environ, **compile_env(arch, root))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                                         env.get("PYTHONPATH")) if p)
-        cmd = [sys.executable, "-m", "flydsl_backends.compile_gate", "--worker", arch] + (["--only", only] if only else [])
+        cmd = [sys.executable, "-m", "flydsl_backends.compile_gate", "--worker", arch] + (["--only",
+                                                                                           only] if only else [])
         procs[arch] = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=progress, text=True)
     rows, fatal = [], []
     for arch, proc in procs.items():

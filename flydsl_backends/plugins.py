@@ -102,7 +102,8 @@ def register_sglang() -> None:
 
     kda_sglang.register_hooks(HookRegistry, HookType)  # KDA decode kernel (+ Kimi-K3 fused decode)
     pa_sglang.install_kv_pool_hook()  # the FP8 x-packed KV pool for --attention-backend flydsl
-    log.info("flydsl-backends: SGLang plugin registered (--attention-backend flydsl, --linear-attn-decode-backend flydsl)")
+    log.info("flydsl-backends: SGLang plugin registered (--attention-backend flydsl, --linear-attn-decode-backend "
+             "flydsl)")
 
 
 VLLM_BACKEND_PATH = "pa_backend.vllm.FlyDSLAttentionBackend"

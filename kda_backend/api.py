@@ -55,7 +55,8 @@ def _dispatch(p: KDAProblem, backend: str) -> torch.Tensor:
 
 def kda_decode(x, conv_weight, conv_state, a, b, A_log, dt_bias, state, state_indices, output_gate, norm_weight, *,
                conv_bias=None, lower_bound: Optional[float] = None, norm_eps: float = 1e-5,
-               scale: Optional[float] = None, out: Optional[torch.Tensor] = None, backend: str = "auto") -> torch.Tensor:
+               scale: Optional[float] = None, out: Optional[torch.Tensor] = None,
+               backend: str = "auto") -> torch.Tensor:
     """One fused KDA decode step for B single-token requests (docs/design.md §3).
 
     Shapes (H heads, K = V head dim, C = 3*H*K channels, W conv width):

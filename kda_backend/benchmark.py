@@ -129,7 +129,7 @@ def run_bench(batches: Sequence[int] = (1, 32, 128), H: int = 12, K: int = 128, 
                         if k != "fla_chain":
                             line += f" | {k} {measured['fla_chain'] / v:.2f}x faster than fla"
                 progress(line)
-                del sets
+                sets = None  # the cases' tensors go before the next shape allocates
                 torch.cuda.empty_cache()
     return rows
 
@@ -146,7 +146,8 @@ def add_bench_args(parser) -> None:
                         help="kda: comma list of fp32/bf16 (default both)")
     parser.add_argument("--f-b", default=["off", "on"], type=comma_list(("off", "on")),
                         help="kda: comma list of off/on (default both)")
-    parser.add_argument("--lower-bound", type=finite_float, default=None, help="kda: safe-gate lower bound (Kimi-K3: -5)")
+    parser.add_argument("--lower-bound", type=finite_float, default=None,
+                        help="kda: safe-gate lower bound (Kimi-K3: -5)")
     parser.add_argument("--no-fla", action="store_true", help="kda: skip the composed fla-core baseline")
 
 

@@ -164,7 +164,8 @@ def make_case(
     kwargs["out"] = out
     desc = (f"B={B} H={H} K={K} W={W if conv else '-'} state={str(state_dtype).replace('torch.', '')} "
             f"conv={conv_layout if conv else 'off'} norm={'on' if norm else 'off'} f_b={'on' if with_f_b else 'off'}"
-            f"{' lb=' + str(lower_bound) if lower_bound is not None else ''}{' pad=' + str(page_pad) if page_pad else ''}"
+            f"{' lb=' + str(lower_bound) if lower_bound is not None else ''}"
+            f"{' pad=' + str(page_pad) if page_pad else ''}"
             f" out={out_layout} padding={len(pad_rows) + len(oor_rows)}")
     return KDACase(kwargs=kwargs, with_f_b=with_f_b, live_rows=live_rows, live_slots=live_slots, desc=desc,
                    storage=storage)
@@ -194,7 +195,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
-def compare_runs(test: KDACase, ref: KDACase, original: KDACase, *, out_tol: float, state_tol: float) -> Dict[str, object]:
+def compare_runs(test: KDACase, ref: KDACase, original: KDACase, *, out_tol: float, state_tol: float) -> Dict[str,
+                                                                                                              object]:
     """Compare two runs of one case (``original`` is the untouched input). Returns errors and 'ok'.
 
     Checks: output and state of live rows within tolerance, padding rows exactly zero, conv_state

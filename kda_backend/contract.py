@@ -17,15 +17,15 @@ from backend_core.validation import (
     CheckMemo,
     arg_key,
     checked_tensor,
+    require_data,
+    require_disjoint,
     require_dtype,
     require_float,
+    require_int32_span,
     require_non_overlapping,
     require_shape,
     require_tensor,
     require_unit_stride,
-    require_int32_span,
-    require_data,
-    require_disjoint,
     span_elements,
 )
 
@@ -174,7 +174,8 @@ def _check_conv(conv_weight, conv_state, conv_bias, C: int, slots: int, device):
         raise ValueError(f"conv_weight: expected conv width W >= 2, got W={W}")
     if conv_weight.stride(0) != 1 and conv_weight.stride(1) != 1:
         raise ValueError(
-            f"conv_weight: expected one unit-stride axis (channel-major or width-major), got strides {tuple(conv_weight.stride())}"
+            "conv_weight: expected one unit-stride axis (channel-major or width-major), got strides "
+            f"{tuple(conv_weight.stride())}"
         )
     conv_state = checked_tensor(conv_state, "conv_state", device, ACT_DTYPES, anchor="x")
     if conv_state.dim() != 3 or int(conv_state.shape[1]) != C or int(conv_state.shape[2]) != W - 1:
@@ -229,7 +230,8 @@ def _check_norm(output_gate, norm_weight, B: int, H: int, V: int, device):
     """The gated-norm stage: both or neither of output_gate [B, H, V] and norm_weight [V]."""
     if (output_gate is None) != (norm_weight is None):
         missing = "norm_weight" if norm_weight is None else "output_gate"
-        raise ValueError(f"{missing}: output_gate and norm_weight go together (both for the gated norm, neither for raw o)")
+        raise ValueError(f"{missing}: output_gate and norm_weight go together (both for the gated norm, neither for "
+                         "raw o)")
     if output_gate is None:
         return None, None
     output_gate = checked_tensor(output_gate, "output_gate", device, ACT_DTYPES, anchor="x")

@@ -48,9 +48,9 @@ step, SGLang's kernel serves only what our op does not cover:
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 import logging
 import threading
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -134,7 +134,8 @@ def _packed_decode(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
     B = int(mixed_qkv.shape[0])
     H, V = int(num_v_heads), int(head_v_dim)
     if mixed_qkv.dim() != 2 or int(mixed_qkv.shape[1]) != 3 * H * V:
-        raise ValueError(f"mixed_qkv: expected [B, 3*{H}*{V}] (q, k, v heads of equal size), got {list(mixed_qkv.shape)}")
+        raise ValueError(f"mixed_qkv: expected [B, 3*{H}*{V}] (q, k, v heads of equal size), got "
+                         f"{list(mixed_qkv.shape)}")
     out = torch.empty(1, B, H, V, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     A_log, dt_bias = _gate_params_fp32(A_log, dt_bias)
     kda_decode(mixed_qkv, None, None, a, b, A_log, dt_bias, ssm_states, cache_indices, None, None,
@@ -159,7 +160,8 @@ def _kernel_class():
                           head_v_dim, lower_bound=None, **kwargs):
             extra = sorted(k for k, v in kwargs.items() if v is not None)
             if extra:  # ReplaySSM buffers: SGLang's resolution rejects them for non-triton decode already
-                raise NotImplementedError(f"flydsl KDA decode: unsupported arguments {extra} (use the triton decode backend)")
+                raise NotImplementedError(f"flydsl KDA decode: unsupported arguments {extra} (use the triton decode "
+                                          "backend)")
             return _packed_decode(mixed_qkv, a, b, A_log=A_log, dt_bias=dt_bias, scale=scale, ssm_states=ssm_states,
                                   cache_indices=cache_indices, num_v_heads=num_v_heads, head_v_dim=head_v_dim,
                                   lower_bound=lower_bound, backend=self.backend)
@@ -194,7 +196,8 @@ def user_selected_flydsl() -> bool:
         mamba = get_exec().mamba
     except Exception:  # no published server arguments (unit tests building the dispatcher directly)
         return False
-    return (getattr(mamba, "linear_attn_decode_backend", None) or getattr(mamba, "linear_attn_backend", None)) == FLAG_VALUE
+    return (getattr(mamba, "linear_attn_decode_backend", None) or getattr(mamba, "linear_attn_backend",
+                                                                          None)) == FLAG_VALUE
 
 
 def dispatcher_init_around(original, self, decode_backend, prefill_backend, verify_backend, *args, **kwargs):

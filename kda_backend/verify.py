@@ -8,8 +8,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from .reference import run_reference
 from .cases import clone_caches, compare_runs, make_case
+from .reference import run_reference
 
 __all__ = ["verify_grid", "run_verify", "tolerances"]
 
@@ -41,7 +41,8 @@ def verify_grid(small: bool) -> List[Dict[str, object]]:
             for state_dtype in (torch.float32, torch.bfloat16):
                 for with_f_b, layout in ((False, "width"), (True, "channel")):
                     base.append(dict(B=B, H=H, K=128, W=4, state_dtype=state_dtype, with_f_b=with_f_b,
-                                     conv_layout=layout, padding=[0] if B > 1 else [], out_of_range=[B - 1] if B > 2 else [],
+                                     conv_layout=layout, padding=[0] if B > 1 else [],
+                                     out_of_range=[B - 1] if B > 2 else [],
                                      lower_bound=-5.0 if with_f_b else None, page_pad=64 if B == 33 else 0,
                                      out_layout="heads" if B == 8 else "batch"))
         base.append(dict(B=16, H=12, K=128, conv=False, norm=False, padding=[3]))

@@ -88,7 +88,8 @@ from backend_core.buffers import DeviceBuffers
 from backend_core.lazy import after_import
 from backend_core.validation import signature_of
 
-__all__ = ["register_layer_hooks", "install_layer_hooks", "flydsl_kda_enabled", "CONFIG_KEY", "KIMI_LINEAR_LAYER", "KIMI_K3_LAYER",
+__all__ = ["register_layer_hooks", "install_layer_hooks", "flydsl_kda_enabled", "CONFIG_KEY", "KIMI_LINEAR_LAYER",
+           "KIMI_K3_LAYER",
            "kimi_linear_layer_class", "kimi_k3_layer_class", "decode_on_flydsl", "map_state_indices"]
 
 log = logging.getLogger("flydsl_backends.vllm.kda")

@@ -91,7 +91,8 @@ def pa_decode(query, key_cache, value_cache, block_tables, context_lengths, key_
     * ``block_tables`` [num_seqs, max_blocks] int32, at most 2^30 tokens wide; ``context_lengths``
       [num_seqs] int32 (the new tokens included; 0 <= length <= max_blocks * block_size: not checked on
       the device, where the Triton kernels clamp a length to that range, positions included). Table entries
-      past a sequence's extent are never read; an id outside [0, num_blocks) inside it is a corrupted table (the reference raises
+      past a sequence's extent are never read; an id outside [0, num_blocks) inside it is a corrupted table (the
+      reference raises
       ValueError, the Triton kernels read block 0 instead: no load leaves the caches). Row i of a
       sequence attends tokens 0 .. context_length - query_length + i (causal among the new tokens), only
       the last ``sliding_window`` of them when > 0 (a window at least as wide as the table is none); a row
@@ -124,7 +125,8 @@ def pa_prefill(query, key_cache, value_cache, block_tables, query_start_loc, con
     return _dispatch(p, backend)
 
 
-def write_kv(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale, *, backend: str = "auto") -> None:
+def write_kv(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale, *,
+             backend: str = "auto") -> None:
     """Quantize ``key``/``value`` [tokens, Hkv, D] (bf16/fp16) into the FP8 caches in place.
 
     Token t goes to slot ``slot_mapping[t]`` = block * block_size + offset; a negative slot (-1,

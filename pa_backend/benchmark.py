@@ -353,7 +353,8 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
         ctx_desc = f"{min(total)}..{max(total)}" if mixed else str(total)
         flops = 0 if mixed else 4 * B * Hq * D * sum(total - new + 1 + i for i in range(new))
         shape = (f"B={B} ctx={ctx_desc} ql={new} Hq={Hq} Hkv={Hkv} D={D} page={bs} scales={scales} table={tw}"
-                 + (f" prefix={ctx}" if prefill else "") + (" mixed" if mixed else "") + (" exact" if not width else ""))
+                 + (f" prefix={ctx}" if prefill else "") + (" mixed" if mixed else "")
+                 + (" exact" if not width else ""))
         out = torch.empty_like(kw["query"])
         args = {k: kw[k] for k in ("query", "key_cache", "value_cache", "key_scale", "value_scale")}
         base, why, keep = (_baseline_fits(B, total, Hkv, D, new, Hq) if baseline and not mixed and total % bs == 0
@@ -412,8 +413,8 @@ def run_bench(configs: Sequence[Tuple] = DEFAULT_CONFIGS, impls: Sequence[str] =
             rows.append(result_row(run, op, name, shape, t, nbytes, note))
             line += f" {name} {t.median_us:.1f} us ({100 * gbps / copy:.0f}% of copy, err {err:.1e})"
         progress(line)
-        del kw, out, outs, fns, layers, args
-        plan = res = None  # the case's tensors go before the next case reads the free memory
+        # the case's tensors go before the next case reads the free memory
+        kw = out = outs = fns = layers = args = plan = res = None
         torch.cuda.empty_cache()
     # host time of one layer's call (small batch: the GPU keeps up, the host is what is measured)
     kw = bench_case(8, 1024, 1, 32, 8, 128, 16, "tensor", dev, table_tokens=table_tokens)

@@ -15,13 +15,13 @@ import torch
 
 from backend_core.validation import (
     CheckMemo,
+    addresses,
     arg_key,
     checked_tensor,
+    may_overlap,
     require_data,
     require_disjoint,
     require_disjoint_from,
-    addresses,
-    may_overlap,
     require_float,
     require_int32_span,
     require_non_overlapping,
@@ -134,7 +134,8 @@ class WriteProblem:
 def _check_cache(key_cache, value_cache, key_scale, value_scale, device, anchor: str) -> KVCache:
     key_cache = checked_tensor(key_cache, "key_cache", device, FP8_DTYPES, anchor=anchor)
     if key_cache.dim() != 5 or int(key_cache.shape[4]) != 16:
-        raise ValueError(f"key_cache: expected shape [num_blocks, Hkv, D/16, block_size, 16], got {list(key_cache.shape)}")
+        raise ValueError("key_cache: expected shape [num_blocks, Hkv, D/16, block_size, 16], got "
+                         f"{list(key_cache.shape)}")
     NB, Hkv, D16, bs, _ = (int(s) for s in key_cache.shape)
     D = 16 * D16
     if D not in HEAD_DIMS:

@@ -104,7 +104,8 @@ def plan_decode(block_tables, context_lengths, *, query_length: int = 1, max_con
                   max_context=max_context, backend=backend)
 
 
-def plan_prefill(block_tables, query_start_loc, context_lengths, *, query_start_loc_host: Optional[Sequence[int]] = None,
+def plan_prefill(block_tables, query_start_loc, context_lengths, *,
+                 query_start_loc_host: Optional[Sequence[int]] = None,
                  max_context: Optional[int] = None, backend: str = "auto") -> PAPlan:
     """Plan a ragged batch (extend, chunked prefill, mixed): ``query_start_loc`` [num_seqs + 1]
     int32 on the device and, to avoid a host sync, its values on the host

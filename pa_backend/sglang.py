@@ -26,11 +26,23 @@ from backend_core.lazy import LazyClasses
 from . import contract as _contract
 from . import sglang_pool as _pool
 from .plan import PAPlan, plan_decode, plan_prefill
-from .sglang_pool import (ACT_DTYPES, FLYDSL, HEAD_DIMS, PAGE_SIZES, _WORKING, _check_head_dims, _check_kv_dtype,
-                          _check_page_size, flydsl_backend_selected, install_kv_pool_hook, register_hooks)
+from .sglang_pool import (
+    _WORKING,
+    ACT_DTYPES,
+    FLYDSL,
+    HEAD_DIMS,
+    PAGE_SIZES,
+    _check_head_dims,
+    _check_kv_dtype,
+    _check_page_size,
+    flydsl_backend_selected,
+    install_kv_pool_hook,
+    register_hooks,
+)
 
-__all__ = ["FlyDSLAttnBackend", "FlyDSLMHATokenToKVPool", "install_kv_pool_hook", "register_hooks", "check_server_args",
-           "uses_flydsl_attention", "PAGE_SIZES", "HEAD_DIMS", "flydsl_backend_selected"]
+# the framework classes are built on first access (module __getattr__), so the framework is imported then
+__all__ = ["FlyDSLAttnBackend", "FlyDSLMHATokenToKVPool", "install_kv_pool_hook", "register_hooks",  # noqa: F822
+           "check_server_args", "uses_flydsl_attention", "PAGE_SIZES", "HEAD_DIMS", "flydsl_backend_selected"]
 
 
 
@@ -381,7 +393,8 @@ def _build_backend_class():
             bs = int(forward_batch.batch_size)
             max_context = self._max_context(forward_batch, bs)
             if mode.is_target_verify():
-                n = self._verify_tokens(forward_batch.spec_info, int(forward_batch.out_cache_loc.shape[0]) // max(bs, 1))
+                n = self._verify_tokens(forward_batch.spec_info, int(forward_batch.out_cache_loc.shape[0]) // max(bs,
+                                                                                                                  1))
                 md = FlyDSLForwardMetadata(*self._eager_tables(forward_batch, bs, n), None, n)
                 md.plan = plan_decode(md.block_tables, md.context_lens, query_length=n,
                                       max_context=None if max_context is None else max_context + n)

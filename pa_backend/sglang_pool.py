@@ -29,7 +29,8 @@ from . import contract as _contract
 from .api import write_kv
 from .fp8 import FP8_DTYPES
 
-__all__ = ["FlyDSLMHATokenToKVPool", "install_kv_pool_hook", "register_hooks", "PAGE_SIZES", "HEAD_DIMS",
+# the framework classes are built on first access (module __getattr__), so the framework is imported then
+__all__ = ["FlyDSLMHATokenToKVPool", "install_kv_pool_hook", "register_hooks", "PAGE_SIZES", "HEAD_DIMS",  # noqa: F822
            "flydsl_backend_selected"]
 
 PAGE_SIZES = (16, 64, 128)  # the SGLang pages this adapter is tested with (the op takes any multiple of 16)

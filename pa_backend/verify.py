@@ -8,8 +8,8 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from .reference import run_attention
 from .cases import make_pa_case
+from .reference import run_attention
 
 __all__ = ["verify_grid", "run_verify", "OUT_TOL", "ACCURACY_TARGET", "tolerance"]
 

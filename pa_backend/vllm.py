@@ -48,7 +48,8 @@ from . import contract as _contract
 from .api import write_kv
 from .plan import PAPlan, plan_decode, plan_prefill
 
-__all__ = ["FlyDSLAttentionBackend", "FlyDSLAttentionMetadataBuilder", "FlyDSLAttentionImpl",
+# the framework classes are built on first access (module __getattr__), so the framework is imported then
+__all__ = ["FlyDSLAttentionBackend", "FlyDSLAttentionMetadataBuilder", "FlyDSLAttentionImpl",  # noqa: F822
            "FlyDSLAttentionMetadata", "BACKEND_NAME", "kv_cache_views", "uniform_query_length"]
 
 log = logging.getLogger("flydsl_backends.pa.vllm")
@@ -290,7 +291,8 @@ def _build_builder_class():
         def build(self, common_prefix_len, common_attn_metadata, fast_build: bool = False):
             cam = common_attn_metadata
             if common_prefix_len:
-                raise NotImplementedError("flydsl attention: cascade attention (common_prefix_len > 0) is not supported")
+                raise NotImplementedError("flydsl attention: cascade attention (common_prefix_len > 0) is not "
+                                          "supported")
             if cam.causal is not True:  # a wrapper asking for non-causal attention: never computed causally
                 raise NotImplementedError(f"flydsl attention: non-causal attention (causal={cam.causal!r}) is not "
                                           "supported; use --attention-backend TRITON_ATTN for this model")

@@ -307,10 +307,9 @@ def test_torch_compile_tracing_gets_tritons_own_launch(fake_runtime, monkeypatch
 def test_the_switch_is_on_with_cuda_opt_in_with_rocm_and_checked():
     """On by default with a CUDA (or CPU) torch, where it has run on a GPU; off with ROCm, where it has not;
     0 / 1 decide on either; a value other than 0 / 1 is refused at import."""
+    import os
     import subprocess
     import sys
-
-    import os
 
     code = ("import sys, torch; torch.version.hip = sys.argv[1] or None; "
             "import backend_core.launch as L; print(L.enabled)")

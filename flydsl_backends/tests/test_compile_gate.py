@@ -57,7 +57,8 @@ def test_table_has_the_issue_columns():
 HAVE_TOOLCHAIN = all(importlib.util.find_spec(m) for m in ("flydsl", "ziglang", "triton"))
 
 
-@pytest.mark.skipif(not HAVE_TOOLCHAIN, reason="flydsl / ziglang not installed (pip install '.[flydsl-compile]'; .ci/run does)")
+@pytest.mark.skipif(not HAVE_TOOLCHAIN,
+                    reason="flydsl / ziglang not installed (pip install '.[flydsl-compile]'; .ci/run does)")
 def test_gate_compiles_one_specialization_and_fails_on_a_lowered_budget(tmp_path, capsys):
     from kda_backend.flydsl import shipped as kernel
 

@@ -7,7 +7,8 @@ import re
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ("backend_core", "kda_backend", "pa_backend", "flydsl_backends")
 # a literal variable name passed to a reader, or bound to a *_ENV constant
-READS = re.compile(r"""(?:environ\.get|environ\[|getenv|_env_int|env_positive_int|_env_arch)\(?\s*["']([A-Z][A-Z0-9_]+)["']"""
+READS = re.compile(r"""(?:environ\.get|environ\[|getenv|_env_int|env_positive_int|_env_arch)"""
+                   r"""\(?\s*["']([A-Z][A-Z0-9_]+)["']"""
                    r"""|\b[A-Z_]*ENV\s*=\s*["']([A-Z][A-Z0-9_]+)["']""")
 
 

@@ -40,7 +40,8 @@ def standin_op(monkeypatch):
         setattr(pkg, name, obj)
     monkeypatch.setitem(sys.modules, "standin_backend", pkg)
     monkeypatch.setitem(sys.modules, "standin_backend.kernels", kernels)
-    line = OpFamily("standin", "standin_backend", verify="standin_backend:run_verify", bench="standin_backend:bench_cli",
+    line = OpFamily("standin", "standin_backend", verify="standin_backend:run_verify",
+                    bench="standin_backend:bench_cli",
                     bench_args="standin_backend:add_bench_args", flydsl_kernels="standin_backend.kernels")
     monkeypatch.setattr(ops, "OPS", ops.OPS + (line,))
     return calls

@@ -22,9 +22,8 @@ except Exception as exc:  # pragma: no cover - depends on the environment
                 "`bash integration_tests/setup-cpu-env.sh sglang DIR` and run DIR/bin/python -m pytest with "
                 "PYTHONPATH=integration_tests/stubs:. (README, Serving guide)", allow_module_level=True)
 
-from integration_tests.sglang import harness as H  # noqa: E402
-
 import pa_backend.sglang as pas  # noqa: E402
+from integration_tests.sglang import harness as H  # noqa: E402
 
 # FP8 KV: both sides hold identical FP8 bytes (checked below), so the outputs differ only by the
 # order of fp32 vs bf16 accumulation and the final bf16 rounding.

@@ -1,6 +1,7 @@
 """Random SGLang 0.5.23 forward batches through the flydsl backend: the shapes a scheduler produces, drawn at
 random rather than picked (decode batches, extends of fresh and cached prompts, mixed batches with decode rows
-among the extends; pages of 16 / 64 / 128, the sizes the pool takes; GQA groups 1-8 at D 64 and 128). Each batch runs through real
+among the extends; pages of 16 / 64 / 128, the sizes the pool takes; GQA groups 1-8 at D 64 and 128). Each batch runs
+through real
 pools, ``ForwardBatch`` and ``RadixAttention`` layers and is checked against SGLang's own ``torch_native``
 backend on the same FP8 bytes and against an independent dequantize-and-softmax reference; the pools must hold
 the same bytes at every live slot and nothing anywhere else.
@@ -8,7 +9,8 @@ the same bytes at every live slot and nothing anywhere else.
 The ops run on the reference and on the Triton kernels (the interpreter on CPU, when Triton is usable).
 FUZZ_CASES (default 4) and FUZZ_SEED (default 3) widen a local run.
 
-Run: PYTHONPATH=integration_tests/stubs:. /work/venv-sgl/bin/python -m pytest -q integration_tests/sglang/test_batch_fuzz.py
+Run: PYTHONPATH=integration_tests/stubs:. /work/venv-sgl/bin/python -m pytest -q
+integration_tests/sglang/test_batch_fuzz.py
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ def _triton_usable() -> bool:
     return bool(REGISTRY.get("triton").is_available()[0])
 
 
-IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not _triton_usable(), reason="triton not usable here"))]
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not _triton_usable(),
+                                                                  reason="triton not usable here"))]
 
 
 def draw(rng: random.Random) -> H.Case:

@@ -23,9 +23,8 @@ except Exception as exc:  # pragma: no cover - depends on the environment
                 "`bash integration_tests/setup-cpu-env.sh sglang DIR` and run DIR/bin/python -m pytest with "
                 "PYTHONPATH=integration_tests/stubs:. (README, Serving guide)", allow_module_level=True)
 
-from integration_tests.sglang import kda_harness as KH  # noqa: E402
-
 import kda_backend.sglang as ks  # noqa: E402
+from integration_tests.sglang import kda_harness as KH  # noqa: E402
 from kda_backend import kda_decode, kda_decode_with_f_b  # noqa: E402
 
 ATOL, RTOL = 2e-2, 2e-2

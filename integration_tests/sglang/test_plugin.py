@@ -182,7 +182,8 @@ def test_prefill_cuda_graph_is_off_for_flydsl_with_cuda_defaults(models):
              ["--model-path", llama, "--decode-attention-backend", "flydsl", "--prefill-attention-backend", "flydsl",
               *fp8],
              ["--model-path", llama, "--attention-backend", "triton", *fp8],
-             ["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--cuda-graph-backend-prefill", "breakable"]]
+             ["--model-path", llama, "--attention-backend", "flydsl", *fp8, "--cuda-graph-backend-prefill",
+              "breakable"]]
     out = _probe([argv + COMMON for argv in cases], env_extra={"FLYDSL_PROBE_CUDA_DEFAULTS": "1"})["results"]
     assert [r["args"].get("prefill_graph") for r in out[:3]] == ["disabled", "disabled", "breakable"], out
     assert not out[3]["ok"] and "drop --cuda-graph-backend-prefill" in out[3]["error"], out[3]

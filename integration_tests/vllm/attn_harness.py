@@ -59,8 +59,7 @@ def backend_spec(block_size=16, num_kv_heads=HKV, head_size=D, page_size_padded=
 def allocate(spec, num_blocks, layer_names, layout_name="LBHNC", device="cpu"):
     """vLLM's own allocation path: KVCacheConfig -> allocate_kv_cache -> one [B, 2, N, Hkv*D] view per
     layer in ``layout_name``. Every byte starts as the sentinel."""
-    from vllm.v1.kv_cache_interface import (KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
-                                            compute_layout_strides)
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, compute_layout_strides
     from vllm.v1.kv_cache_layout import KVCacheLayout
     from vllm.v1.worker.utils import allocate_kv_cache
 

@@ -26,7 +26,8 @@ from integration_tests.host_timing import parse, time_step_and_layers
 def adapter_host_time(layers: int = 400, B: int = 8, context: int = 1024, table_tokens: int = 131072,
                       block_size: int = 16, device: str = "cpu", impl: str = "null") -> dict:
     """{"build": us per step, "layer": us per layer call, "calls": null-kernel calls per op in the timed layer
-    calls, "triton_attn_build": us per step of vLLM's TRITON_ATTN builder on the same metadata}. ``device="cuda"`` with ``impl="triton"``: the kernels are launched (queued, not awaited), as in a
+    calls, "triton_attn_build": us per step of vLLM's TRITON_ATTN builder on the same metadata}. ``device="cuda"`` with
+    ``impl="triton"``: the kernels are launched (queued, not awaited), as in a
     server's eager step."""
     from vllm.config import set_current_vllm_config
 

@@ -17,9 +17,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from integration_tests.vllm import attn_harness as H  # noqa: E402
-
 import pa_backend.vllm as pav  # noqa: E402
+from integration_tests.vllm import attn_harness as H  # noqa: E402
 
 ATOL, RTOL = 2e-2, 2e-2
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -344,9 +343,10 @@ def test_draft_model_on_flydsl_drafting_several_tokens_on_rocm_is_refused_at_sta
     (llm_base_proposer.py, allowed_attn_types): a draft on FLYDSL failed at the first drafting step."""
     from types import SimpleNamespace
 
-    from flydsl_backends.plugins import register_vllm
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from flydsl_backends.plugins import register_vllm
 
     register_vllm()
     spec = H.backend_spec()
@@ -396,7 +396,8 @@ def test_import_does_not_pull_vllm():
     import sys
 
     code = ("import sys; import pa_backend.vllm; "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'triton', 'flydsl')]; assert not bad, bad[:5]")
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('vllm', 'triton', 'flydsl')]; "
+            "assert not bad, bad[:5]")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 

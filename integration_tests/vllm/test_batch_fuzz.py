@@ -21,9 +21,8 @@ import torch
 
 pytest.importorskip("vllm")
 
-from integration_tests.vllm import attn_harness as H  # noqa: E402
-
 import pa_backend.vllm as pav  # noqa: E402
+from integration_tests.vllm import attn_harness as H  # noqa: E402
 
 ATOL, RTOL = 2e-2, 2e-2
 LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
@@ -37,7 +36,8 @@ def _triton_usable() -> bool:
     return bool(REGISTRY.get("triton").is_available()[0])
 
 
-IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not _triton_usable(), reason="triton not usable here"))]
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not _triton_usable(),
+                                                                  reason="triton not usable here"))]
 
 
 def draw(rng: random.Random):

@@ -13,8 +13,8 @@ Run: VLLM_TARGET_DEVICE=cpu FLYDSL_BACKENDS_KDA=torch PYTHONPATH=. /work/venv-vl
 from __future__ import annotations
 
 import dataclasses
-import logging
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -323,7 +323,7 @@ def test_k3_padded_decode_matches_reference(k3_hooked, monkeypatch, op_calls):
     m = KH.decode_metadata(builder, LIVE, 1)
     inp = KH.decode_inputs(layer, 4)
     assert inp.g2.stride(0) > inp.g2.shape[1] * inp.g2.shape[2]  # row-strided output gate, as in K3's forward
-    pages0, conv0, state0 = cache.pages.clone(), cache.conv_state.clone(), cache.state.clone()
+    conv0, state0 = cache.conv_state.clone(), cache.state.clone()
     expected, new = KH.expected_decode(layer, inp, conv0, state0, LIVE + [0])
     _run(vc, layer, m, inp)
     assert k3_calls == [] and len(op_calls) == 1

@@ -78,7 +78,8 @@ def test_cli_selects_the_backend(llama, tmp_path):
     for name, r in by.items():
         assert r["ok"], f"{name}: {r['error']}"
         assert r["path"] == "pa_backend.vllm.FlyDSLAttentionBackend", (name, r)
-    assert (by["flydsl"]["backend"], by["flydsl"]["kv_cache_dtype"], by["flydsl"]["block_size"]) == ("FLYDSL", "fp8", 16)
+    assert (by["flydsl"]["backend"], by["flydsl"]["kv_cache_dtype"], by["flydsl"]["block_size"]) == ("FLYDSL", "fp8",
+                                                                                                     16)
     assert (by["lowercase"]["backend"], by["lowercase"]["block_size"]) == ("FLYDSL", 64)
     assert by["custom"]["backend"] == "CUSTOM" and by["ac_json"]["backend"] == "FLYDSL"
     assert (by["gqa_config"]["backend"], by["gqa_config"]["kv_cache_dtype"], by["gqa_config"]["block_size"]) == \
@@ -159,7 +160,8 @@ def _validate(cls, **over):
 
 
 @pytest.mark.parametrize("over", [{}, dict(head_size=64), dict(head_size=256), dict(block_size=64),
-                                  dict(block_size=128), dict(block_size=32), dict(block_size=48), dict(block_size=112), dict(kv_cache_dtype="fp8_e4m3"), dict(has_sink=True),
+                                  dict(block_size=128), dict(block_size=32), dict(block_size=48), dict(block_size=112),
+                                  dict(kv_cache_dtype="fp8_e4m3"), dict(has_sink=True),
                                   dict(has_sliding_window=True), dict(dtype="float16")])
 def test_validate_accepts(backend, over):
     import torch

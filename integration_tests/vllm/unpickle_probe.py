@@ -1,5 +1,6 @@
 """A spawned worker's view: unpickle an ``AttentionConfig`` *before* any plugin loads (as vLLM's spawned
-engine-core / worker processes do), then load the general plugins and resolve the backend class (and for FLYDSL, pickle it on)."""
+engine-core / worker processes do), then load the general plugins and resolve the backend class (and for FLYDSL, pickle
+it on)."""
 
 import json
 import pickle

@@ -72,8 +72,10 @@ def sources() -> List[Tuple[str, bool, str]]:
     if platform.flydsl_available():
         from . import kernel, shipped
 
-        rows.append(("own", True, f"the project's FlyDSL kernel: H in {kernel.SUPPORTED_H}, K=V={kernel.SUPPORTED_K[0]}, "
-                                  f"W={kernel.SUPPORTED_W[0]}, {len(shipped.SHIPPED_SPECS)} specializations compiled and "
+        rows.append(("own", True,
+                     f"the project's FlyDSL kernel: H in {kernel.SUPPORTED_H}, K=V={kernel.SUPPORTED_K[0]}, "
+                                  f"W={kernel.SUPPORTED_W[0]}, {len(shipped.SHIPPED_SPECS)} specializations compiled "
+                                  "and "
                                   "resource-checked for gfx950/gfx942 on CPU; not run on AMD hardware"))
     else:
         rows.append(("own", False, "flydsl is not installed"))

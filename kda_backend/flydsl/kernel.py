@@ -8,7 +8,8 @@ Design
 Grid: one CTA per (row n, head h), ``B*H`` CTAs on a 1-D grid (``bid = n*H + h``), NUM_WARPS
 wave64 waves (default 4 = 256 threads). A CTA covers all V = 128 rows of the [V, K] state tile
 of (slot(n), h). V is never split across CTAs, so the conv-window race of a V-split kernel (two
-CTAs of one row shifting the same conv window; docs/design.md §3) cannot happen: each conv channel of a (row, head) is read and shifted by exactly one thread of one
+CTAs of one row shifting the same conv window; docs/design.md §3) cannot happen: each conv channel of a (row, head) is
+read and shifted by exactly one thread of one
 CTA, and that thread writes the shifted window only after it has read the old one.
 
 Phases inside a CTA:
@@ -170,7 +171,8 @@ def supports(p: KDAProblem) -> Tuple[bool, str]:
     # the spans in elements, for the Triton kernel's int32 element offsets, and records the largest in bytes)
     nbytes, name, what = p.largest_piece
     if nbytes > INT32_MAX:
-        return False, f"{name}: {what} spans {nbytes} bytes, past the 32-bit byte offsets of the kernel's buffer accesses"
+        return False, (f"{name}: {what} spans {nbytes} bytes, past the 32-bit byte offsets of the kernel's buffer "
+                       "accesses")
     # 16-byte vector accesses: the state slots and the f_b operands must be 16-byte aligned
     if not _aligned16(p.state, (p.state.stride(0),)):
         return False, "state: the 16-byte state transactions need a 16-byte aligned base and slot stride"
@@ -397,9 +399,12 @@ def get_launcher(spec: Spec):
             qv, kv, ev = [], [], []
             for ki in range_constexpr(KI):
                 k0 = ki * KSTEP + kl * VEC
-                qv.append(fx.Vector.from_elements([fx.memref_load(ly, k0 + e) for e in range_constexpr(VEC)], fx.Float32))
-                kv.append(fx.Vector.from_elements([fx.memref_load(ly, K + k0 + e) for e in range_constexpr(VEC)], fx.Float32))
-                ev.append(fx.Vector.from_elements([fx.memref_load(lg, k0 + e) for e in range_constexpr(VEC)], fx.Float32))
+                qv.append(fx.Vector.from_elements([fx.memref_load(ly, k0 + e) for e in range_constexpr(VEC)],
+                                                  fx.Float32))
+                kv.append(fx.Vector.from_elements([fx.memref_load(ly, K + k0 + e) for e in range_constexpr(VEC)],
+                                                  fx.Float32))
+                ev.append(fx.Vector.from_elements([fx.memref_load(lg, k0 + e) for e in range_constexpr(VEC)],
+                                                  fx.Float32))
             sq = kred(vsum([q * q for q in qv]))
             sk = kred(vsum([k * k for k in kv]))
             rq = fx.math.rsqrt(sq + 1e-6, fastmath=FAST) * scale

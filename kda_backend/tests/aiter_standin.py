@@ -19,11 +19,13 @@ def _check(x, conv_weight, conv_bias, conv_state, raw_beta, lower_bound, state, 
     if tuple(x.shape) != (B, C) or tuple(conv_weight.shape) != (C, 4) or conv_bias is not None:
         raise TypeError(f"stand-in: x {tuple(x.shape)} / conv_weight {tuple(conv_weight.shape)} / bias not Kimi-K3 TP8")
     if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (C, 3):
-        raise TypeError(f"stand-in: conv_state must be [cache, {C}, 3] (or the width-major view), got {tuple(conv_state.shape)}")
+        raise TypeError(f"stand-in: conv_state must be [cache, {C}, 3] (or the width-major view), got "
+                        f"{tuple(conv_state.shape)}")
     if raw_beta.dim() != 3 or tuple(raw_beta.shape) != (1, B, H):
         raise TypeError(f"stand-in: raw_beta must be [1, B, {H}], got {tuple(raw_beta.shape)}")
     if out is None or tuple(out.shape) != (1, B, H, K) or not out.is_contiguous():
-        raise TypeError(f"stand-in: out must be a contiguous [1, B, {H}, {K}], got {None if out is None else tuple(out.shape)}")
+        raise TypeError(f"stand-in: out must be a contiguous [1, B, {H}, {K}], got "
+                        f"{None if out is None else tuple(out.shape)}")
     if lower_bound is None:
         raise TypeError("stand-in: lower_bound is required")
     if state_indices.dtype != torch.int32 or tuple(state_indices.shape) != (B,):

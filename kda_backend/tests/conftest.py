@@ -13,7 +13,8 @@ def _triton_usable() -> bool:
     return REGISTRY.get("triton").is_available()[0]
 
 
-IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not _triton_usable(), reason="triton not usable here"))]
+IMPLS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not _triton_usable(),
+                                                                  reason="triton not usable here"))]
 
 
 @pytest.fixture(params=IMPLS)

@@ -9,8 +9,8 @@ import torch
 
 import kda_backend
 from kda_backend import contract
-from kda_backend.reference import run_reference
 from kda_backend.cases import SENTINEL, clone_caches, compare_runs, make_case
+from kda_backend.reference import run_reference
 from kda_backend.verify import tolerances
 
 from .conftest import DEVICE

@@ -9,12 +9,18 @@ import torch
 
 from backend_core import flydsl_source, platform
 from backend_core.testing import aiter_standin as aiter_standin_of
-from backend_core.testing import (amd_props, clear_device_memos, fake_gpus, install_fake_aiter, nvidia_props,
-                                  pretend_flydsl_device)
+from backend_core.testing import (
+    amd_props,
+    clear_device_memos,
+    fake_gpus,
+    install_fake_aiter,
+    nvidia_props,
+    pretend_flydsl_device,
+)
 from kda_backend import REGISTRY, is_kda_decode_supported
 from kda_backend import flydsl as kflydsl
-from kda_backend.flydsl import aiter as kaiter
 from kda_backend.cases import clone_caches, compare_runs, make_case
+from kda_backend.flydsl import aiter as kaiter
 
 from . import aiter_standin
 
@@ -137,7 +143,8 @@ def test_is_kda_decode_supported_reads_each_devices_arch(monkeypatch):
     impl = REGISTRY.get("flydsl")
     monkeypatch.setattr(impl, "_available_cache", (True, "stand-in"))
     try:
-        fake_gpus(monkeypatch, [amd_props("gfx950:sramecc+:xnack-"), amd_props("gfx942"), amd_props("gfx1100")], hip=True)
+        fake_gpus(monkeypatch, [amd_props("gfx950:sramecc+:xnack-"), amd_props("gfx942"), amd_props("gfx1100")],
+                  hip=True)
         assert is_kda_decode_supported(0)
         assert not is_kda_decode_supported(1)  # FlyDSL builds for the first GPU (gfx950)
         assert not is_kda_decode_supported(2)

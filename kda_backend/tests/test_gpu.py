@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import kda_backend
-from kda_backend.reference import run_reference
 from kda_backend.cases import clone_caches, compare_runs, make_case
+from kda_backend.reference import run_reference
 from kda_backend.verify import tolerances
 
 pytestmark = pytest.mark.gpu

@@ -24,7 +24,8 @@ def _check(res):
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_drift_short_cpu(state_dtype, impl):
-    _check(drift_run(120 if impl == "triton" else 60, B=2, H=1, K=32, state_dtype=state_dtype, device=DEVICE, impl=impl))
+    _check(drift_run(120 if impl == "triton" else 60, B=2, H=1, K=32, state_dtype=state_dtype, device=DEVICE,
+                     impl=impl))
 
 
 @pytest.mark.gpu

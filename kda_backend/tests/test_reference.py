@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kda_backend.reference import run_reference
 from kda_backend.cases import clone_caches, make_case, rel_err
+from kda_backend.reference import run_reference
 
 
 def independent_step(kw, with_f_b: bool):
@@ -31,7 +31,8 @@ def independent_step(kw, with_f_b: bool):
             continue
         if conv_w is not None:
             window = torch.cat([kw["conv_state"][s].double(), x[n][:, None]], 1)  # [C, W]
-            y = F.conv1d(window[None], conv_w.double()[:, None, :], bias=None if kw.get("conv_bias") is None else kw["conv_bias"].double(), groups=C)[0, :, 0]
+            y = F.conv1d(window[None], conv_w.double()[:, None, :],
+                         bias=None if kw.get("conv_bias") is None else kw["conv_bias"].double(), groups=C)[0, :, 0]
             y = y * torch.sigmoid(y)
             convs[s] = window[:, 1:]
         else:

@@ -16,6 +16,7 @@ from backend_core import platform
 from backend_core.buffers import DeviceBuffers
 from backend_core.launch import launch
 from backend_core.validation import env_positive_int
+
 from ..contract import KDAProblem
 
 __all__ = ["available", "supports", "run", "launch_config"]

@@ -32,7 +32,8 @@ def pa_decode(output, query, key_cache, value_cache, block_tables, context_lengt
         raise TypeError("stand-in: max_context_partition_num does not cover the block table")
     calls.append((query_length, max_context_partition_num, context_partition_size))
     _ref_decode(query, key_cache, value_cache, block_tables, context_lengths, key_scale.reshape(-1)[0]
-                if key_scale.dim() == 1 else key_scale, value_scale.reshape(-1)[0] if value_scale.dim() == 1 else value_scale,
+                if key_scale.dim() == 1 else key_scale,
+                value_scale.reshape(-1)[0] if value_scale.dim() == 1 else value_scale,
                 query_length=query_length, sliding_window=sliding_window, sinks=sinks, out=output, backend="torch")
     return output
 

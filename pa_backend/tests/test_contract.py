@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from pa_backend import fp8_dtype_for, fp8_max, pa_decode, write_kv
-from pa_backend.reference import dequantize_tokens
-from pa_backend.contract import prepare_attention
 from pa_backend.cases import make_pa_case
+from pa_backend.contract import prepare_attention
+from pa_backend.reference import dequantize_tokens
 
 
 def test_stale_table_entries_do_not_change_the_result():

@@ -7,15 +7,20 @@ import dataclasses
 import pytest
 import torch
 
-from backend_core import flydsl_source, platform
+from backend_core import platform
 from backend_core.testing import aiter_standin as aiter_standin_of
-from backend_core.testing import (amd_props, clear_device_memos, fake_gpus, install_fake_aiter, nvidia_props,
-                                  pretend_flydsl_device)
+from backend_core.testing import (
+    amd_props,
+    clear_device_memos,
+    fake_gpus,
+    nvidia_props,
+    pretend_flydsl_device,
+)
 from pa_backend import REGISTRY, fp8_dtype_for, is_pa_decode_supported, pa_decode
 from pa_backend import flydsl as pflydsl
+from pa_backend.cases import make_pa_case
 from pa_backend.contract import prepare_attention, prepare_write
 from pa_backend.flydsl import aiter as paiter
-from pa_backend.cases import make_pa_case
 
 from . import aiter_standin
 
@@ -106,8 +111,10 @@ def test_decode_only_and_scale_coverage(standin):
     ok, why = paiter.covers(dataclasses.replace(problem(dec), softmax_scale=0.3))
     assert not ok and "softmax_scale" in why
     kw = dec.kwargs
-    wp = prepare_write(key=torch.zeros(1, 1, 64, dtype=torch.bfloat16), value=torch.zeros(1, 1, 64, dtype=torch.bfloat16),
-                       key_cache=kw["key_cache"], value_cache=kw["value_cache"], slot_mapping=torch.zeros(1, dtype=torch.int32),
+    wp = prepare_write(key=torch.zeros(1, 1, 64, dtype=torch.bfloat16), value=torch.zeros(1, 1, 64,
+                                                                                          dtype=torch.bfloat16),
+                       key_cache=kw["key_cache"], value_cache=kw["value_cache"], slot_mapping=torch.zeros(1,
+                                                                                                          dtype=torch.int32),
                        key_scale=kw["key_scale"], value_scale=kw["value_scale"])
     assert not paiter.covers(wp)[0]
 

@@ -88,7 +88,8 @@ def test_write_kv_non_finite_inputs_follow_the_reference(impl, scales):
     out = {}
     for name in ("torch", impl):
         kv = {k: kw[k].clone() for k in CACHE_ARGS}
-        write_kv(key, value, kv["key_cache"], kv["value_cache"], slots, kv["key_scale"], kv["value_scale"], backend=name)
+        write_kv(key, value, kv["key_cache"], kv["value_cache"], slots, kv["key_scale"], kv["value_scale"],
+                 backend=name)
         out[name] = kv
     for k in CACHE_ARGS:
         a, b = out["torch"][k].float(), out[impl][k].float()
@@ -120,7 +121,8 @@ def test_write_kv_bf16_subnormals_give_the_reference_bytes(impl, scales):
     out = {}
     for name in ("torch", impl):
         kv = {k: kw[k].clone() for k in CACHE_ARGS}
-        write_kv(key, value, kv["key_cache"], kv["value_cache"], slots, kv["key_scale"], kv["value_scale"], backend=name)
+        write_kv(key, value, kv["key_cache"], kv["value_cache"], slots, kv["key_scale"], kv["value_scale"],
+                 backend=name)
         out[name] = kv
     assert same_bytes(out[impl], snap(out["torch"]))
     assert not same_bytes(out["torch"], snap(kw))  # the write did something
@@ -335,7 +337,8 @@ def test_meta_tensors_raise_value_error(prefill):
         (pa_prefill if prefill else pa_decode)(**kw, backend="torch")
     with pytest.raises(ValueError, match="key: expected a tensor with data"):
         write_kv(kw["query"][:, :2], kw["query"][:, :2], kw["key_cache"], kw["value_cache"],
-                 torch.zeros(kw["query"].shape[0], dtype=torch.int32, device="meta"), kw["key_scale"], kw["value_scale"],
+                 torch.zeros(kw["query"].shape[0], dtype=torch.int32, device="meta"), kw["key_scale"],
+                 kw["value_scale"],
                  backend="torch")
 
 
@@ -355,14 +358,16 @@ def test_device_mismatch_names_the_anchor_argument(monkeypatch):
     # checks are memoized on addresses and shapes: an earlier test's buffers may be at the same addresses
     monkeypatch.setattr(contract, "_CALL_MEMO", type(contract._CALL_MEMO)())
     monkeypatch.setattr(contract, "checked_tensor",
-                        lambda t, name, device, dtypes, anchor=None: seen.append(anchor) or real(t, name, device, dtypes,
+                        lambda t, name, device, dtypes, anchor=None: seen.append(anchor) or real(t, name, device,
+                                                                                                 dtypes,
                                                                                                   anchor=anchor))
     c = case()  # its cache is filled through write_kv: anchored at key
     assert set(seen) - {None} == {"key"}
     seen.clear()
     pa_decode(**c.kwargs, backend="torch")
     assert set(seen) - {None} == {"query"}  # None: the query itself
-    with pytest.raises(ValueError, match=r"block_tables: expected a tensor on meta \(the device of query\), got one on cpu"):
+    with pytest.raises(ValueError,
+                       match=r"block_tables: expected a tensor on meta \(the device of query\), got one on cpu"):
         real(torch.zeros(2, dtype=torch.int32), "block_tables", torch.device("meta"), (torch.int32,), anchor="query")
 
 

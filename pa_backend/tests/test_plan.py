@@ -7,7 +7,7 @@ cases are GPU-marked (run on the device).
 import pytest
 import torch
 
-from pa_backend import REGISTRY, pa_decode, pa_prefill, plan_decode, plan_prefill
+from pa_backend import REGISTRY, pa_decode, plan_decode, plan_prefill
 from pa_backend.cases import make_pa_case
 from pa_backend.verify import tolerance
 

@@ -40,7 +40,8 @@ def independent(case):
     out = torch.zeros_like(q_all)
     r0 = 0
     for s, (ctx, ql) in enumerate(zip(case.context_lengths, case.query_lengths)):
-        ks, vs = zip(*[read_token(kw, int(kw["block_tables"][s, j // bs]), j % bs) for j in range(ctx)]) if ctx else ((), ())
+        ks, vs = zip(*[read_token(kw, int(kw["block_tables"][s, j // bs]),
+                                  j % bs) for j in range(ctx)]) if ctx else ((), ())
         K = torch.stack(ks) if ctx else torch.zeros(0, Hkv, D, dtype=torch.float64)
         V = torch.stack(vs) if ctx else torch.zeros(0, Hkv, D, dtype=torch.float64)
         K = K.repeat_interleave(Hq // Hkv, 1).transpose(0, 1)  # [Hq, ctx, D]
@@ -175,10 +176,9 @@ def test_bench_graph_rows_check_what_every_layer_replayed(monkeypatch):
     against its own reference. Faults that must show: a replay that reads layer 0's cache in every layer
     (MISSES), a replay that writes nothing (inf: the outputs are poisoned after the capture) and rows
     that never write their outputs after another row filled them (inf: each row starts poisoned)."""
+    import pa_backend
     import pa_backend.benchmark as bm
     from backend_core.timing import BenchContext, Timing
-
-    import pa_backend
 
     calls = 5
     seen, log = {}, []
@@ -242,7 +242,8 @@ def test_bench_graph_rows_check_what_every_layer_replayed(monkeypatch):
     monkeypatch.setattr(bm, "EXACT_CONFIGS", [])
     monkeypatch.setattr(bm, "MIXED_CONFIG", (2, (5, 40), 1, 4, 2, 64, 16, "tensor"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    rows = bm.run_bench(impls=("torch", "triton"), configs=[decode], prefill_configs=[(2, 16, 16, 4, 2, 64, 16, "tensor")],
+    rows = bm.run_bench(impls=("torch", "triton"), configs=[decode], prefill_configs=[(2, 16, 16, 4, 2, 64, 16,
+                                                                                       "tensor")],
                         trials=1, table_tokens=256, progress=lambda *a: None, calls_per_graph=calls)
     graph_rows = [r for r in rows if "graph timing" in r["notes"]]
     assert [(r["op"], r["impl"]) for r in graph_rows] == [

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pa_backend import REGISTRY
+from pa_backend.cases import make_pa_case
 from pa_backend.contract import prepare_attention
 from pa_backend.reference import run_attention
-from pa_backend.cases import make_pa_case
 from pa_backend.verify import tolerance
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
@@ -20,7 +20,8 @@ def rel_to_reference(case, out):
     kw = dict(case.kwargs)
     kw.pop("out", None)
     ref = torch.empty(kw["query"].shape, dtype=torch.float64, device=out.device)
-    run_attention(dataclasses.replace(prepare_attention(**kw, prefill=case.prefill), out=ref), compute_dtype=torch.float64)
+    run_attention(dataclasses.replace(prepare_attention(**kw, prefill=case.prefill), out=ref),
+                  compute_dtype=torch.float64)
     return ((out.double() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
 
 

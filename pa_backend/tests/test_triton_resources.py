@@ -31,7 +31,8 @@ rows += [[["direct-prefill", D, m], ptxas_report(D=D, M=m, ragged=True, direct=T
 rows += [[["reduce", D, m], ptxas_report(D=D, M=m, kernel="reduce")] for D, m in ((256, 64), (128, 16), (64, 16))]
 rows += [[["prefill", D, m], ptxas_report(D=D, M=m, ragged=True)] for D, m in ((128, 256), (256, 64), (64, 128))]
 rows.append([["prefill-reduce"], ptxas_report(D=256, M=64, kernel="reduce", ragged=True)])
-rows += [[["write", D, v5], ptxas_report(D=D, v5d=v5, per_token=v5, kernel="write")] for D in (64, 256) for v5 in (0, 1)]
+rows += [[["write", D, v5], ptxas_report(D=D, v5d=v5, per_token=v5, kernel="write")]
+         for D in (64, 256) for v5 in (0, 1)]
 print(json.dumps(rows))
 """}
 
@@ -64,7 +65,8 @@ def test_batch_dependent_scalars_are_not_specialized():
     proc, rows = run_report_script(script, ROOT, timeout=300)
     assert rows is not None, proc.stderr[-3000:]
     part, red = rows
-    assert {"n_items", "P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt", "short_target", "sliding_window"} <= set(part)
+    assert {"n_items", "P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt", "short_target",
+            "sliding_window"} <= set(part)
     assert {"P", "few_target", "min_pt", "long_pt", "short_target", "sliding_window"} <= set(red)
     assert not any(n.startswith("stride_") for n in part + red)
 
@@ -76,7 +78,8 @@ rows = []
 for arch in sys.argv[1:]:
     for D, bs, m, v5 in ((128, 16, 16, 0), (64, 16, 16, 1), (128, 16, 64, 0), (256, 64, 16, 1), (256, 16, 16, 1),
                          (128, 128, 64, 1)):
-        rows.append([[arch, D, bs, m, v5], amdgcn_report(arch, D=D, block_size=bs, M=m, v5d=bool(v5), per_token=bool(v5))])
+        rows.append([[arch, D, bs, m, v5],
+                     amdgcn_report(arch, D=D, block_size=bs, M=m, v5d=bool(v5), per_token=bool(v5))])
     for D in (128, 256, 64):  # the AMD prefill tiling's rows
         rows.append([[arch, "prefill", D], amdgcn_report(arch, D=D, M=None, ragged=True)])
     for D, m in ((128, 16), (256, 64)):

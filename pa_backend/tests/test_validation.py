@@ -6,7 +6,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backend_core.testing import CORRUPTIONS, corrupt
-
 from pa_backend import REGISTRY, pa_decode, pa_prefill, write_kv
 from pa_backend.cases import make_pa_case
 
@@ -29,39 +28,58 @@ def unchanged(kw, snap):
 
 
 DECODE_MUTATIONS = [
-    ("q-dtype", lambda kw: kw.update(query=kw["query"].float()), ValueError, "query: expected dtype bfloat16 or float16"),
+    ("q-dtype", lambda kw: kw.update(query=kw["query"].float()), ValueError,
+     "query: expected dtype bfloat16 or float16"),
     ("q-rank", lambda kw: kw.update(query=kw["query"][0]), ValueError, "query: expected shape [tokens, Hq, D]"),
     ("q-headdim", lambda kw: kw.update(query=kw["query"][..., :32]), ValueError, "query: head dim 32 does not match"),
-    ("gqa-ratio", lambda kw: kw.update(query=kw["query"][:, :3]), ValueError, "query: Hq=3 must be a multiple of Hkv=2"),
+    ("gqa-ratio", lambda kw: kw.update(query=kw["query"][:, :3]), ValueError,
+     "query: Hq=3 must be a multiple of Hkv=2"),
     ("q-rows", lambda kw: kw.update(query=kw["query"][:1]), ValueError, "query: expected 2 sequences"),
     ("ql-range", lambda kw: kw.update(query_length=5), ValueError, "query_length: expected 1..4"),
     ("ql-type", lambda kw: kw.update(query_length=1.0), TypeError, "query_length: expected an int"),
-    ("kc-dtype", lambda kw: kw.update(key_cache=kw["key_cache"].float()), ValueError, "key_cache: expected dtype float8_e4m3fn or float8_e4m3fnuz"),
-    ("kc-rank", lambda kw: kw.update(key_cache=kw["key_cache"][0]), ValueError, "key_cache: expected shape [num_blocks, Hkv, D/16, block_size, 16]"),
-    ("kc-blocksize", lambda kw: kw.update(key_cache=kw["key_cache"][:, :, :, :8]), ValueError, "key_cache: block_size 8 not in"),
-    ("kc-headdim", lambda kw: kw.update(key_cache=kw["key_cache"][:, :, :3]), ValueError, "key_cache: head dim D = 16 * 3 = 48"),
-    ("kc-stride", lambda kw: kw.update(key_cache=torch.cat([kw["key_cache"]] * 2, -1)[..., ::2]), ValueError, "key_cache: expected unit stride"),
-    ("vc-dtype", lambda kw: kw.update(value_cache=kw["value_cache"].view(torch.float8_e4m3fnuz)), ValueError, "value_cache: expected dtype float8_e4m3fn"),
-    ("vc-shape", lambda kw: kw.update(value_cache=kw["value_cache"][:, :, :32]), ValueError, "value_cache: expected shape [num_blocks, Hkv, D, block_size]"),
-    ("vc-rank", lambda kw: kw.update(value_cache=kw["value_cache"][0]), ValueError, "value_cache: expected [num_blocks, Hkv, D, block_size] or"),
+    ("kc-dtype", lambda kw: kw.update(key_cache=kw["key_cache"].float()), ValueError,
+     "key_cache: expected dtype float8_e4m3fn or float8_e4m3fnuz"),
+    ("kc-rank", lambda kw: kw.update(key_cache=kw["key_cache"][0]), ValueError,
+     "key_cache: expected shape [num_blocks, Hkv, D/16, block_size, 16]"),
+    ("kc-blocksize", lambda kw: kw.update(key_cache=kw["key_cache"][:, :, :, :8]), ValueError,
+     "key_cache: block_size 8 not in"),
+    ("kc-headdim", lambda kw: kw.update(key_cache=kw["key_cache"][:, :, :3]), ValueError,
+     "key_cache: head dim D = 16 * 3 = 48"),
+    ("kc-stride", lambda kw: kw.update(key_cache=torch.cat([kw["key_cache"]] * 2, -1)[..., ::2]), ValueError,
+     "key_cache: expected unit stride"),
+    ("vc-dtype", lambda kw: kw.update(value_cache=kw["value_cache"].view(torch.float8_e4m3fnuz)), ValueError,
+     "value_cache: expected dtype float8_e4m3fn"),
+    ("vc-shape", lambda kw: kw.update(value_cache=kw["value_cache"][:, :, :32]), ValueError,
+     "value_cache: expected shape [num_blocks, Hkv, D, block_size]"),
+    ("vc-rank", lambda kw: kw.update(value_cache=kw["value_cache"][0]), ValueError,
+     "value_cache: expected [num_blocks, Hkv, D, block_size] or"),
     ("ks-shape", lambda kw: kw.update(key_scale=torch.ones(2)), ValueError, "key_scale: expected a per-tensor scale"),
-    ("vs-dtype", lambda kw: kw.update(value_scale=kw["value_scale"].double()), ValueError, "value_scale: expected dtype float32"),
-    ("ks-token-shape", lambda kw: kw.update(key_scale=torch.ones(3, 2, 16)), ValueError, "key_scale: expected shape [num_blocks, Hkv, block_size]"),
-    ("bt-dtype", lambda kw: kw.update(block_tables=kw["block_tables"].long()), ValueError, "block_tables: expected dtype int32"),
-    ("bt-rank", lambda kw: kw.update(block_tables=kw["block_tables"][0]), ValueError, "block_tables: expected shape [num_seqs, max_blocks]"),
-    ("cl-shape", lambda kw: kw.update(context_lengths=kw["context_lengths"][:1]), ValueError, "context_lengths: expected shape [num_seqs]"),
-    ("cl-dtype", lambda kw: kw.update(context_lengths=kw["context_lengths"].long()), ValueError, "context_lengths: expected dtype int32"),
+    ("vs-dtype", lambda kw: kw.update(value_scale=kw["value_scale"].double()), ValueError,
+     "value_scale: expected dtype float32"),
+    ("ks-token-shape", lambda kw: kw.update(key_scale=torch.ones(3, 2, 16)), ValueError,
+     "key_scale: expected shape [num_blocks, Hkv, block_size]"),
+    ("bt-dtype", lambda kw: kw.update(block_tables=kw["block_tables"].long()), ValueError,
+     "block_tables: expected dtype int32"),
+    ("bt-rank", lambda kw: kw.update(block_tables=kw["block_tables"][0]), ValueError,
+     "block_tables: expected shape [num_seqs, max_blocks]"),
+    ("cl-shape", lambda kw: kw.update(context_lengths=kw["context_lengths"][:1]), ValueError,
+     "context_lengths: expected shape [num_seqs]"),
+    ("cl-dtype", lambda kw: kw.update(context_lengths=kw["context_lengths"].long()), ValueError,
+     "context_lengths: expected dtype int32"),
     ("window", lambda kw: kw.update(sliding_window=-1), ValueError, "sliding_window: expected >= 0"),
     ("window-type", lambda kw: kw.update(sliding_window=2.5), TypeError, "sliding_window: expected an int"),
     ("sinks-shape", lambda kw: kw.update(sinks=torch.zeros(3)), ValueError, "sinks: expected shape [Hq]"),
     ("scale-neg", lambda kw: kw.update(softmax_scale=-0.1), ValueError, "softmax_scale: expected a positive number"),
     # finite in float64 but not a normal fp32 number (the kernels scale the logits in fp32)
-    ("scale-fp32-overflow", lambda kw: kw.update(softmax_scale=1e39), ValueError, "softmax_scale: expected a normal fp32"),
-    ("scale-fp32-underflow", lambda kw: kw.update(softmax_scale=1e-50), ValueError, "softmax_scale: expected a normal fp32"),
+    ("scale-fp32-overflow", lambda kw: kw.update(softmax_scale=1e39), ValueError,
+     "softmax_scale: expected a normal fp32"),
+    ("scale-fp32-underflow", lambda kw: kw.update(softmax_scale=1e-50), ValueError,
+     "softmax_scale: expected a normal fp32"),
     ("parts", lambda kw: kw.update(num_partitions=0), ValueError, "num_partitions: expected None or an int >= 1"),
     ("out-dtype", lambda kw: kw.update(out=kw["out"].float()), ValueError, "out: expected dtype bfloat16"),
     ("out-shape", lambda kw: kw.update(out=kw["out"][:1]), ValueError, "out: expected shape the query's shape"),
-    ("device", lambda kw: kw.update(block_tables=kw["block_tables"].to("meta")), ValueError, "block_tables: expected a tensor on"),
+    ("device", lambda kw: kw.update(block_tables=kw["block_tables"].to("meta")), ValueError,
+     "block_tables: expected a tensor on"),
     ("q-missing", lambda kw: kw.update(query=None), TypeError, "query: expected a torch.Tensor"),
     ("backend", lambda kw: kw.update(backend="magic"), ValueError, "backend: 'magic' is not an implementation"),
 ]
@@ -101,9 +119,12 @@ WRITE_MUTATIONS = [
     ("key-dtype", lambda kw: kw.update(key=kw["key"].float()), ValueError, "key: expected dtype bfloat16 or float16"),
     ("key-heads", lambda kw: kw.update(key=kw["key"][:, :1]), ValueError, "key: expected shape [tokens, Hkv, D]"),
     ("value-dtype", lambda kw: kw.update(value=kw["value"].half()), ValueError, "value: expected dtype bfloat16"),
-    ("slots-shape", lambda kw: kw.update(slot_mapping=kw["slot_mapping"][:1]), ValueError, "slot_mapping: expected shape [tokens]"),
-    ("slots-dtype", lambda kw: kw.update(slot_mapping=kw["slot_mapping"].float()), ValueError, "slot_mapping: expected dtype int32 or int64"),
-    ("cache-dtype", lambda kw: kw.update(key_cache=kw["key_cache"].view(torch.int8)), ValueError, "key_cache: expected dtype"),
+    ("slots-shape", lambda kw: kw.update(slot_mapping=kw["slot_mapping"][:1]), ValueError,
+     "slot_mapping: expected shape [tokens]"),
+    ("slots-dtype", lambda kw: kw.update(slot_mapping=kw["slot_mapping"].float()), ValueError,
+     "slot_mapping: expected dtype int32 or int64"),
+    ("cache-dtype", lambda kw: kw.update(key_cache=kw["key_cache"].view(torch.int8)), ValueError,
+     "key_cache: expected dtype"),
 ]
 
 
@@ -122,7 +143,8 @@ def test_bad_write_argument(mid, mutate, exc, msg):
     assert unchanged(c, snap)
 
 
-ARGS = ["query", "key_cache", "value_cache", "block_tables", "context_lengths", "key_scale", "value_scale", "sinks", "out"]
+ARGS = ["query", "key_cache", "value_cache", "block_tables", "context_lengths", "key_scale", "value_scale", "sinks",
+        "out"]
 HAS_TRITON = REGISTRY.supported_on("triton", "cpu")  # the draws' cases are CPU tensors: the interpreter only
 
 
@@ -140,7 +162,8 @@ def _backend(name):
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(c=corruption(ARGS + ["query_start_loc"]), seed=st.integers(0, 2**16), scales=st.sampled_from(["tensor", "token"]),
+@given(c=corruption(ARGS + ["query_start_loc"]), seed=st.integers(0, 2**16), scales=st.sampled_from(["tensor",
+                                                                                                     "token"]),
        v_layout=st.sampled_from(["4d", "5d"]), prefill=st.booleans(), backend=st.sampled_from(["torch", "triton"]))
 def test_property_malformed_arguments(c, seed, scales, v_layout, prefill, backend):
     """Malformed, strided and aliased arguments: a ValueError/TypeError with the cache unchanged, or
@@ -186,7 +209,8 @@ def test_property_malformed_write_arguments(c, seed, scales, backend):
         cw = case.kwargs
         g = torch.Generator().manual_seed(seed)
         free = [b for b in range(cw["key_cache"].shape[0]) if b not in case.used_blocks]
-        return dict(key=torch.randn(3, 2, 64, generator=g).bfloat16(), value=torch.randn(3, 2, 64, generator=g).bfloat16(),
+        return dict(key=torch.randn(3, 2, 64, generator=g).bfloat16(), value=torch.randn(3, 2, 64,
+                                                                                         generator=g).bfloat16(),
                     key_cache=cw["key_cache"], value_cache=cw["value_cache"],
                     slot_mapping=torch.tensor([free[0] * 16 + 1, -1, free[1] * 16 + 5]), key_scale=cw["key_scale"],
                     value_scale=cw["value_scale"])

@@ -23,10 +23,18 @@ import torch
 from backend_core import platform
 from backend_core.launch import bind
 from backend_core.validation import CheckMemo, env_positive_int
+
 from ..contract import PAProblem, WriteProblem
 from ..fp8 import fp8_max, fp8_nan_byte
-from ..planner import (FEW_PROGRAMS_PER_SM, PROGRAMS_PER_SM, QUEUE_SM_SLOTS, plan_partitions, task_queue, work_rows,
-                       workspace)
+from ..planner import (
+    FEW_PROGRAMS_PER_SM,
+    PROGRAMS_PER_SM,
+    QUEUE_SM_SLOTS,
+    plan_partitions,
+    task_queue,
+    work_rows,
+    workspace,
+)
 
 __all__ = ["available", "supports", "run", "decode_tiling", "prefill_tiling", "split_policy", "reduce_warps",
            "reduce_unroll", "register_cap", "fp8_qk"]
@@ -451,7 +459,8 @@ def gluon_ws(p: PAProblem, L: "_Launch") -> bool:
     Hopper (sm_90: wgmma; not in Triton's interpreter), decode programs of 64 rows launched on a grid with a
     reduce (P > 1; FLYDSL_BACKENDS_PA_GLUON=1), and prefill items of 128 rows too (=all): ``gluon_eligible``.
     Opt-in, because it measured within a few percent of the Triton kernel on the long cases (faster on shorter
-    batches; docs/performance.md) and has run on one GPU model only. It launches through Triton's ``kernel[grid]`` at every layer
+    batches; docs/performance.md) and has run on one GPU model only. It launches through Triton's ``kernel[grid]`` at
+    every layer
     (no bound launch: more host time per layer in eager steps; none under CUDA graphs). Each layer is checked again
     (``gluon_covers``): the launch state is made from a plan's first layer, and a later one may have a sliding
     window (models that alternate them), other scales, another cache layout or alignment; such a layer takes the

@@ -39,8 +39,12 @@
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, warpgroup_mma, \
-    warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 
 @gluon.jit
@@ -270,7 +274,8 @@ def gluon_partition_kernel(
     # the constexprs the partitions' layouts need)
     if NC == 1:
         gl.warp_specialize(
-            [(_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
+            [(_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring,
+                          ready, empty,
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
                           stride_q_t, stride_q_h, stride_o_t, stride_o_h, 0, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
                           HAS_SINKS)),
@@ -280,14 +285,16 @@ def gluon_partition_kernel(
             [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize(
-            [(_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
+            [(_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring,
+                          ready, empty,
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
                           stride_q_t, stride_q_h, stride_o_t, stride_o_h, 0, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
                           HAS_SINKS)),
              (_producer, (p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_hkv, start, end, num_blocks,
                           stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2,
                           stride_bt_s, D, BS, BT, NBUF)),
-             (_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring, ready, empty,
+             (_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring,
+                          ready, empty,
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
                           stride_q_t, stride_q_h, stride_o_t, stride_o_h, 1, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
                           HAS_SINKS))],

@@ -19,7 +19,8 @@
 #   a device counter (partition-major from the batch's longest split down: long partitions first).
 #   A shape-only grid at a 128k-token table carries ~3 programs past each sequence's split per live
 #   one, and the hardware then places the live ones unevenly (up to 12 on some SMs, 8 on others),
-#   so such a grid ran measurably slower than with an exact-width table. With the queue the programs of one SM that take tasks are capped at
+# so such a grid ran measurably slower than with an exact-width table. With the queue the programs of one SM that take
+# tasks are capped at
 #   ceil(tasks / SMs) (per-SM counters by %smid), the batch's longest split bounds the task space, and
 #   the reduce kernel sets the counters back to zero for the next launch.
 # The M dimension of the dots is the GQA group times the query rows: row m = i*G + g is query row
@@ -224,7 +225,8 @@ def _attend_tile(
         # offsets built with the contiguous axis last (an arange) so loads vectorize to 16 bytes, then
         # merged to [BT, D]; K [NT, TB, D/16, 16] from key_cache[b, h, c, t, 16]
         p_k = p_kc + i_h * stride_kc_h + b[:, None, None, None] * stride_kc_b \
-            + t_p[None, :, None, None] * stride_kc_t + o_c[None, None, :, None] * stride_kc_c + o_16[None, None, None, :]
+            + t_p[None, :, None, None] * stride_kc_t + o_c[None, None, :, None] * stride_kc_c + o_16[None, None, None,
+                                                                                                     :]
         if V5D:  # value_cache[b, h, t // 16, d, t % 16] as [D, NT, TB/16, 16]
             p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None, None] * stride_vc_3 \
                 + b[None, :, None, None] * stride_vc_b + (t0 // 16 + o_tb16)[None, None, :, None] * stride_vc_2 \
@@ -415,7 +417,8 @@ BATCH_SCALARS = ("n_items", "P", "num_sms", "sliding_window", "max_tokens", "num
 @triton.jit(do_not_specialize=BATCH_SCALARS)
 def pa_decode_partition_kernel(
     p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_queue,
-    n_items, P, num_sms, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt, short_target,
+    n_items, P, num_sms, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
+    short_target,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
@@ -463,7 +466,8 @@ def pa_decode_partition_kernel(
             i_h = t % HKV
             _partition_task(
                 i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks,
-                p_out, P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt, short_target,
+                p_out, P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
+                short_target,
                 stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
                 stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
                 stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
