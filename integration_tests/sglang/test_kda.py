@@ -21,7 +21,7 @@ try:
 except Exception as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"sglang 0.5.23 is not importable here ({type(exc).__name__}: {exc}); build an environment with "
                 "`bash integration_tests/setup-cpu-env.sh sglang DIR` and run DIR/bin/python -m pytest with "
-                "PYTHONPATH=integration_tests/stubs:. (README, Serving guide)", allow_module_level=True)
+                "PYTHONPATH=integration_tests/stubs:. (docs/serving.md)", allow_module_level=True)
 
 import kda_backend.sglang as ks  # noqa: E402
 from integration_tests.sglang import kda_harness as KH  # noqa: E402

@@ -28,7 +28,7 @@ try:
 except Exception as exc:  # pragma: no cover - depends on the environment
     pytest.skip(f"vllm 0.33.0 is not importable here ({type(exc).__name__}: {exc}); build an environment with "
                 "`bash integration_tests/setup-cpu-env.sh vllm DIR` and run DIR/bin/python -m pytest with "
-                "VLLM_TARGET_DEVICE=cpu (README, Serving guide)", allow_module_level=True)
+                "VLLM_TARGET_DEVICE=cpu (docs/serving.md)", allow_module_level=True)
 
 import kda_backend.api as kapi  # noqa: E402
 import kda_backend.vllm as kv  # noqa: E402
