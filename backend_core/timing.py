@@ -211,8 +211,8 @@ def bench_context(progress=print) -> BenchContext:
     return ctx
 
 
-def result_row(ctx: BenchContext, op: str, impl: str, shape: str, t: Timing, nbytes: int, notes: str = "") -> Dict[str,
-                                                                                                                   object]:
+def result_row(ctx: BenchContext, op: str, impl: str, shape: str, t: Timing, nbytes: int,
+               notes: str = "") -> Dict[str, object]:
     """One CSV row (RESULT_FIELDS): time, logical GB/s and % of the run's copy bandwidth."""
     gbps = nbytes / (t.median_us * 1e-6) / 1e9
     return {"date": ctx.date, "commit": ctx.commit, "device": ctx.device_name, "op": op, "impl": impl, "shape": shape,

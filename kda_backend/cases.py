@@ -195,8 +195,8 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return num / den if den > 0 else num
 
 
-def compare_runs(test: KDACase, ref: KDACase, original: KDACase, *, out_tol: float, state_tol: float) -> Dict[str,
-                                                                                                              object]:
+def compare_runs(test: KDACase, ref: KDACase, original: KDACase, *, out_tol: float,
+                 state_tol: float) -> Dict[str, object]:
     """Compare two runs of one case (``original`` is the untouched input). Returns errors and 'ok'.
 
     Checks: output and state of live rows within tolerance, padding rows exactly zero, conv_state

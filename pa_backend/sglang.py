@@ -393,8 +393,8 @@ def _build_backend_class():
             bs = int(forward_batch.batch_size)
             max_context = self._max_context(forward_batch, bs)
             if mode.is_target_verify():
-                n = self._verify_tokens(forward_batch.spec_info, int(forward_batch.out_cache_loc.shape[0]) // max(bs,
-                                                                                                                  1))
+                n = self._verify_tokens(forward_batch.spec_info,
+                                        int(forward_batch.out_cache_loc.shape[0]) // max(bs, 1))
                 md = FlyDSLForwardMetadata(*self._eager_tables(forward_batch, bs, n), None, n)
                 md.plan = plan_decode(md.block_tables, md.context_lens, query_length=n,
                                       max_context=None if max_context is None else max_context + n)

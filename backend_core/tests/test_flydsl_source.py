@@ -23,8 +23,8 @@ def test_requested_source(monkeypatch):
 
 @pytest.mark.parametrize("env,aiter,own,want", [
     ("auto", True, True, "aiter"), ("auto", False, True, "own"), ("auto", False, False, None),
-    ("aiter", True, True, "aiter"), ("aiter", False, True, None), ("own", True, True, "own"), ("own", True, False,
-                                                                                               None),
+    ("aiter", True, True, "aiter"), ("aiter", False, True, None), ("own", True, True, "own"),
+    ("own", True, False, None),
 ])
 def test_choose(monkeypatch, env, aiter, own, want):
     monkeypatch.setenv("FLYDSL_BACKENDS_SOURCE", env)

@@ -204,8 +204,8 @@ def test_bench_checks_impl_names_and_host_flags(capsys):
 @pytest.mark.parametrize("var, value", [("FLYDSL_BACKENDS_KDA", "trition"), ("FLYDSL_BACKENDS_PA", "nosuch"),
                                         ("FLYDSL_BACKENDS_SOURCE", "aitr"), ("FLYDSL_BACKENDS_TRITON_DIRECT", "yes"),
                                         # the Triton tuning variables: a bad value was a FAIL row of verify
-                                        ("FLYDSL_BACKENDS_KDA_TRITON_BV", "abc"), ("FLYDSL_BACKENDS_PA_TRITON_BT",
-                                                                                   "-1"),
+                                        ("FLYDSL_BACKENDS_KDA_TRITON_BV", "abc"),
+                                        ("FLYDSL_BACKENDS_PA_TRITON_BT", "-1"),
                                         ("FLYDSL_BACKENDS_PA_FP8_QK", "2"), ("FLYDSL_BACKENDS_PA_GLUON", "maybe")])
 def test_malformed_environment_is_one_error_line(var, value):
     """``info`` (and every command) reports a misspelled setting as one line, exit 2, instead of passing and

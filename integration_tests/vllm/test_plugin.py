@@ -78,8 +78,8 @@ def test_cli_selects_the_backend(llama, tmp_path):
     for name, r in by.items():
         assert r["ok"], f"{name}: {r['error']}"
         assert r["path"] == "pa_backend.vllm.FlyDSLAttentionBackend", (name, r)
-    assert (by["flydsl"]["backend"], by["flydsl"]["kv_cache_dtype"], by["flydsl"]["block_size"]) == ("FLYDSL", "fp8",
-                                                                                                     16)
+    flydsl = by["flydsl"]
+    assert (flydsl["backend"], flydsl["kv_cache_dtype"], flydsl["block_size"]) == ("FLYDSL", "fp8", 16)
     assert (by["lowercase"]["backend"], by["lowercase"]["block_size"]) == ("FLYDSL", 64)
     assert by["custom"]["backend"] == "CUSTOM" and by["ac_json"]["backend"] == "FLYDSL"
     assert (by["gqa_config"]["backend"], by["gqa_config"]["kv_cache_dtype"], by["gqa_config"]["block_size"]) == \

@@ -16,8 +16,8 @@ from backend_core.aot import ptxas_report as _ptxas_report
 __all__ = ["ptxas_report", "amdgcn_report", "SHIPPED_CONFIGS"]
 
 # (state dtype, f_b, BV, warps): what launch_config picks for K = V = 128 on a 132-SM GPU.
-SHIPPED_CONFIGS = [(dt, fb, bv, 4) for dt in ("fp32", "bf16") for fb, bvs in ((False, (16, 32, 64, 128)), (True, (128,
-                                                                                                                  )))
+SHIPPED_CONFIGS = [(dt, fb, bv, 4) for dt in ("fp32", "bf16")
+                   for fb, bvs in ((False, (16, 32, 64, 128)), (True, (128,)))
                    for bv in bvs]
 
 UNIT_STRIDES = ("stride_cs_c", "stride_cw_w", "stride_b_h", "stride_idx")

@@ -358,9 +358,8 @@ def test_device_mismatch_names_the_anchor_argument(monkeypatch):
     # checks are memoized on addresses and shapes: an earlier test's buffers may be at the same addresses
     monkeypatch.setattr(contract, "_CALL_MEMO", type(contract._CALL_MEMO)())
     monkeypatch.setattr(contract, "checked_tensor",
-                        lambda t, name, device, dtypes, anchor=None: seen.append(anchor) or real(t, name, device,
-                                                                                                 dtypes,
-                                                                                                  anchor=anchor))
+                        lambda t, name, device, dtypes, anchor=None:
+                        seen.append(anchor) or real(t, name, device, dtypes, anchor=anchor))
     c = case()  # its cache is filled through write_kv: anchored at key
     assert set(seen) - {None} == {"key"}
     seen.clear()

@@ -242,8 +242,8 @@ def test_bench_graph_rows_check_what_every_layer_replayed(monkeypatch):
     monkeypatch.setattr(bm, "EXACT_CONFIGS", [])
     monkeypatch.setattr(bm, "MIXED_CONFIG", (2, (5, 40), 1, 4, 2, 64, 16, "tensor"))
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    rows = bm.run_bench(impls=("torch", "triton"), configs=[decode], prefill_configs=[(2, 16, 16, 4, 2, 64, 16,
-                                                                                       "tensor")],
+    rows = bm.run_bench(impls=("torch", "triton"), configs=[decode],
+                        prefill_configs=[(2, 16, 16, 4, 2, 64, 16, "tensor")],
                         trials=1, table_tokens=256, progress=lambda *a: None, calls_per_graph=calls)
     graph_rows = [r for r in rows if "graph timing" in r["notes"]]
     assert [(r["op"], r["impl"]) for r in graph_rows] == [

@@ -162,8 +162,8 @@ def _backend(name):
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(c=corruption(ARGS + ["query_start_loc"]), seed=st.integers(0, 2**16), scales=st.sampled_from(["tensor",
-                                                                                                     "token"]),
+@given(c=corruption(ARGS + ["query_start_loc"]), seed=st.integers(0, 2**16),
+       scales=st.sampled_from(["tensor", "token"]),
        v_layout=st.sampled_from(["4d", "5d"]), prefill=st.booleans(), backend=st.sampled_from(["torch", "triton"]))
 def test_property_malformed_arguments(c, seed, scales, v_layout, prefill, backend):
     """Malformed, strided and aliased arguments: a ValueError/TypeError with the cache unchanged, or

@@ -225,8 +225,8 @@ def _attend_tile(
         # offsets built with the contiguous axis last (an arange) so loads vectorize to 16 bytes, then
         # merged to [BT, D]; K [NT, TB, D/16, 16] from key_cache[b, h, c, t, 16]
         p_k = p_kc + i_h * stride_kc_h + b[:, None, None, None] * stride_kc_b \
-            + t_p[None, :, None, None] * stride_kc_t + o_c[None, None, :, None] * stride_kc_c + o_16[None, None, None,
-                                                                                                     :]
+            + t_p[None, :, None, None] * stride_kc_t + o_c[None, None, :, None] * stride_kc_c \
+            + o_16[None, None, None, :]
         if V5D:  # value_cache[b, h, t // 16, d, t % 16] as [D, NT, TB/16, 16]
             p_v = p_vc + i_h * stride_vc_h + o_d[:, None, None, None] * stride_vc_3 \
                 + b[None, :, None, None] * stride_vc_b + (t0 // 16 + o_tb16)[None, None, :, None] * stride_vc_2 \
