@@ -1,4 +1,4 @@
-"""``flydsl-backends``: info, verify, accuracy, bench.
+"""``flydsl-backends``: info, verify, accuracy, bench, serving-accuracy.
 
 * ``info``    the platform, and for each op which implementations are available here and why not,
               and which FlyDSL source (AITER or the project's kernel) would serve; ``--resources``
@@ -12,6 +12,10 @@
               plan with the cache written as it goes; exit status 1 on any failure.
 * ``bench``   CUDA-graph timings with the copy bandwidth measured in the same run; CSV rows
               under ``benchmarks/results/``.
+* ``serving-accuracy`` a real model served by vLLM or SGLang with the flydsl backend against the
+              framework's own Triton backend (or HF transformers over the same FP8 K/V): the
+              logprobs rule, teacher-forced agreement and perplexity; exit status 1 on a failed
+              threshold (``serving_accuracy``).
 """
 
 from __future__ import annotations
@@ -281,7 +285,7 @@ def _environment_error() -> Optional[str]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="flydsl-backends", description=__doc__.split("\n\n")[0])
     p.add_argument("-v", "--verbose", action="store_true", help="log implementation choices")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{info,verify,accuracy,bench}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{info,verify,accuracy,bench,serving-accuracy}")
     i = sub.add_parser("info", help="platform and implementation availability")
     i.add_argument("--resources", action="store_true",
                    help="also compile every shipped FlyDSL specialization for gfx950/gfx942 and print VGPR/LDS/...")
@@ -307,6 +311,11 @@ def build_parser() -> argparse.ArgumentParser:
     for fam in _ops.OPS:  # each family's own flags (their help names the op)
         fam.add_bench_args(b)
     b.add_argument("--out", default=None, help="CSV path (default benchmarks/results/<op>_decode_<device>_<date>.csv)")
+    s = sub.add_parser("serving-accuracy", help="a real model through vLLM / SGLang: flydsl against the framework's "
+                                                "own backend (or HF over the same FP8 K/V)")
+    from . import serving_accuracy
+
+    serving_accuracy.add_args(s)
     return p
 
 
@@ -319,6 +328,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             return 2
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    if args.cmd == "serving-accuracy":
+        from . import serving_accuracy
+
+        return serving_accuracy.main(args)
     return {"info": cmd_info, "verify": cmd_verify, "accuracy": cmd_accuracy, "bench": cmd_bench}[args.cmd](args)
 
 

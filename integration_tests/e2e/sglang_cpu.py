@@ -309,6 +309,7 @@ def install_trace(path) -> None:
         rows = [b.query_length] * b.num_seqs if qsl is None else [qsl[i + 1] - qsl[i] for i in range(b.num_seqs)]
         rec = {"pid": os.getpid(), "plan": self._trace_id, "decode": b.is_decode, "rows": rows,
                "ctx": b.context_lengths.tolist(), "tokens": int(query.shape[0]), "kv_dtype": str(key_cache.dtype),
+               "sliding_window": int(k.get("sliding_window") or 0),
                "k_shape": list(key_cache.shape), "v_shape": list(value_cache.shape)}
         with open(path, "a") as f:
             f.write(json.dumps(rec) + "\n")
