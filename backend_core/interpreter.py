@@ -16,7 +16,12 @@ Its BF16 -> FP32 widening lost BF16 subnormals (254 of the 65,536 patterns: 2^-1
 so the Triton KV writer's bytes differed from the reference's for rows of subnormal BF16 on CPU only;
 ``faithful_bf16_widening()`` makes that widening the exact ``bits << 16`` it is on a GPU.
 
-``faithful_interpreter()`` applies all three. Called by the test session (``conftest.py``) and by the CLI when
+Its loop bounds read from memory (a kernel's dynamic trip count) reach Python's ``range`` through
+``tensor.__index__``, which it writes as ``int(array)`` on a 1-element array: NumPy 2.3 refuses that for arrays
+of ndim > 0, so every such kernel failed on CPU with a newer NumPy; ``scalar_loop_bounds()`` takes the one
+element instead.
+
+``faithful_interpreter()`` applies all four. Called by the test session (``conftest.py``) and by the CLI when
 it routes Triton through the interpreter (``verify`` / ``accuracy`` on a machine without a GPU). Nothing
 is patched on a GPU or where Triton is not installed.
 """
@@ -25,7 +30,8 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["faithful_interpreter", "faithful_fp8_nan", "faithful_maxnum", "faithful_bf16_widening"]
+__all__ = ["faithful_interpreter", "faithful_fp8_nan", "faithful_maxnum", "faithful_bf16_widening",
+           "scalar_loop_bounds"]
 
 _patched = False
 _bf16_patched = False
@@ -35,8 +41,37 @@ _NAN_BYTES = {"fp8e4nv": (0x7F, 0x7F)}  # e4m3fn: S.1111.111
 
 
 def faithful_interpreter() -> bool:
-    """The three patches below; True where all are in place."""
-    return faithful_fp8_nan() & faithful_maxnum() & faithful_bf16_widening()
+    """The four patches below; True where all are in place."""
+    return faithful_fp8_nan() & faithful_maxnum() & faithful_bf16_widening() & scalar_loop_bounds()
+
+
+def _index(self) -> int:
+    data = self.handle.data
+    return int(data.item()) if getattr(data, "size", None) == 1 else int(data)
+
+
+def scalar_loop_bounds() -> bool:
+    """Make the interpreter's ``tensor.__index__`` read a 1-element array's element (``.item()``) instead of
+    ``int(array)``, which NumPy >= 2.3 refuses for ndim > 0 (loop bounds loaded from memory). The interpreter
+    installs its tensor methods at every launch (``_patch_lang_tensor``, undone after it), so that function is
+    wrapped. Idempotent; False where Triton or that function is missing."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None:
+        return False
+    if getattr(patch, "_scalar_index", False):
+        return True
+
+    def _patch_lang_tensor(tensor, scope, *args, **kwargs):
+        patch(tensor, scope, *args, **kwargs)
+        scope.set_attr(tensor, "__index__", _index)
+
+    _patch_lang_tensor._scalar_index = True
+    interpreter._patch_lang_tensor = _patch_lang_tensor
+    return True
 
 
 def _wrap_convert_float(make) -> bool:

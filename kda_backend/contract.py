@@ -131,8 +131,9 @@ class KDAProblem:
                 + st(self.state_indices, 0) + st(self.output_gate, 0, 1) + st(self.out, 0, 1))
 
 
-def _check_x_and_state(x, state):
-    """x [B, 3*H*K] and the recurrent state [slots, H, V, K] fix B, H, K, V."""
+def _check_x_and_state(x, state, dt_bias=None):
+    """x [B, 3*H*K] and the recurrent state [slots, H, V, K] fix B, H, K, V. When they disagree, ``dt_bias``
+    [H*K] (checked fully later) says which one is wrong: the error names ``state`` when x agrees with it."""
     x = require_tensor(x, "x")
     require_dtype(x, "x", ACT_DTYPES)
     if x.dim() != 2:
@@ -155,6 +156,10 @@ def _check_x_and_state(x, state):
         raise ValueError(
             f"state: slots overlap (slot stride {state.stride(0)} < slot size {H * V * K} elements)"
         )
+    C = int(x.shape[1])
+    if C != 3 * H * K and C % 3 == 0 and isinstance(dt_bias, torch.Tensor) and tuple(dt_bias.shape) == (C // 3,):
+        raise ValueError(f"state: expected [slots, H, V, K] with H*K = {C // 3} (x [B, 3*H*K] and dt_bias [H*K] "
+                         f"say so), got {list(state.shape)}")
     require_shape(x, "x", (B, 3 * H * K), "[B, 3*H*K]")
     return x, state, B, H, V, K, slots
 
@@ -178,6 +183,11 @@ def _check_conv(conv_weight, conv_state, conv_bias, C: int, slots: int, device):
             f"{tuple(conv_weight.stride())}"
         )
     conv_state = checked_tensor(conv_state, "conv_state", device, ACT_DTYPES, anchor="x")
+    if conv_state.dim() == 3 and int(conv_state.shape[1]) == C and int(conv_state.shape[2]) != W - 1:
+        # only the conv width disagrees, and nothing else carries it: either argument may be the wrong one
+        raise ValueError(f"conv_weight / conv_state: the conv width disagrees: conv_weight [3*H*K, W] = "
+                         f"{list(conv_weight.shape)} has W={W}, conv_state [slots, 3*H*K, W-1] = "
+                         f"{list(conv_state.shape)} has W-1={int(conv_state.shape[2])}")
     if conv_state.dim() != 3 or int(conv_state.shape[1]) != C or int(conv_state.shape[2]) != W - 1:
         raise ValueError(
             f"conv_state: expected shape [slots, 3*H*K, W-1] = [slots, {C}, {W - 1}], got {list(conv_state.shape)}"
@@ -203,6 +213,10 @@ def _check_gate(a, b, A_log, dt_bias, f_a, f_b_weight, with_f_b: bool, B: int, H
         require_unit_stride(f_a, "f_a")
         R = int(f_a.shape[1])
         f_b_weight = checked_tensor(f_b_weight, "f_b_weight", device, ACT_DTYPES, anchor="x")
+        if f_b_weight.dim() == 3 and tuple(f_b_weight.shape[:2]) == (H, K) and int(f_b_weight.shape[2]) != R:
+            # only the rank disagrees, and nothing else carries it: either argument may be the wrong one
+            raise ValueError(f"f_a / f_b_weight: the rank R disagrees: f_a [B, R] = {list(f_a.shape)} has R={R}, "
+                             f"f_b_weight [H, K, R] = {list(f_b_weight.shape)} has R={int(f_b_weight.shape[2])}")
         require_shape(f_b_weight, "f_b_weight", (H, K, R), "[H, K, R]")
         require_unit_stride(f_b_weight, "f_b_weight")
         require_non_overlapping(f_b_weight, "f_b_weight")
@@ -313,7 +327,7 @@ _CALL_MEMO = CheckMemo(4096)  # (KDA layers x decode batch sizes) of a few model
 
 def _prepare(x, conv_weight, conv_state, a, b, A_log, dt_bias, state, state_indices, output_gate, norm_weight,
              conv_bias, lower_bound, norm_eps, scale, out, f_a, f_b_weight, *, with_f_b: bool) -> KDAProblem:
-    x, state, B, H, V, K, slots = _check_x_and_state(x, state)
+    x, state, B, H, V, K, slots = _check_x_and_state(x, state, dt_bias)
     device = x.device
     state_indices = checked_tensor(state_indices, "state_indices", device, INDEX_DTYPES, anchor="x")
     require_shape(state_indices, "state_indices", (B,), "[B]")

@@ -237,10 +237,12 @@ def check_batch(*, block_tables, context_lengths, query_length=1, query_start_lo
     if prefill:
         query_start_loc = checked_tensor(query_start_loc, "query_start_loc", device, INDEX_DTYPES, anchor=anchor)
         require_shape(query_start_loc, "query_start_loc", (N + 1,), "[num_seqs + 1]")
+        name = "query_start_loc_host"  # the offsets checked are the caller's host copy, when given
         if query_start_loc_host is None:
             require_data(query_start_loc, "query_start_loc")
             query_start_loc_host = query_start_loc.tolist()  # host sync (eager pa_prefill only)
-        query_start_loc_host = check_query_start_loc(query_start_loc_host, N, None)
+            name = "query_start_loc"
+        query_start_loc_host = check_query_start_loc(query_start_loc_host, N, None, name=name)
         query_length = 0
     else:
         if isinstance(query_length, bool) or not isinstance(query_length, int):
@@ -404,26 +406,27 @@ def _offset(v) -> int:
     return operator.index(v)
 
 
-def check_query_start_loc(values: Sequence[int], num_seqs: int, num_rows: Optional[int]) -> Tuple[int, ...]:
+def check_query_start_loc(values: Sequence[int], num_seqs: int, num_rows: Optional[int],
+                          name: str = "query_start_loc") -> Tuple[int, ...]:
     """Host-side check of prefill query offsets: ``num_seqs + 1`` ints, first >= 0, non-decreasing,
     last <= ``num_rows`` (the query's rows; None: checked later against the query). Returns them
-    as a tuple of ints."""
+    as a tuple of ints. ``name``: the argument the errors name (the device tensor or its host copy)."""
     try:
         if isinstance(values, (str, bytes)):
             raise TypeError
         qsl = tuple(_offset(v) for v in values)
     except TypeError:
-        raise TypeError(f"query_start_loc: expected {num_seqs + 1} integers, got {values!r}") from None
+        raise TypeError(f"{name}: expected {num_seqs + 1} integers, got {values!r}") from None
     if len(qsl) != num_seqs + 1:
-        raise ValueError(f"query_start_loc: expected {num_seqs + 1} offsets (num_seqs + 1), got {len(qsl)}")
+        raise ValueError(f"{name}: expected {num_seqs + 1} offsets (num_seqs + 1), got {len(qsl)}")
     if qsl[0] < 0:
-        raise ValueError(f"query_start_loc: expected a first offset >= 0, got {qsl[0]}")
+        raise ValueError(f"{name}: expected a first offset >= 0, got {qsl[0]}")
     for s in range(num_seqs):
         if qsl[s + 1] < qsl[s]:
-            raise ValueError(f"query_start_loc: expected non-decreasing offsets, got {qsl[s]} then {qsl[s + 1]} "
+            raise ValueError(f"{name}: expected non-decreasing offsets, got {qsl[s]} then {qsl[s + 1]} "
                              f"(sequence {s})")
     if num_rows is not None and qsl[-1] > num_rows:
-        raise ValueError(f"query_start_loc: the last offset {qsl[-1]} is past the query's {num_rows} rows")
+        raise ValueError(f"{name}: the last offset {qsl[-1]} is past the query's {num_rows} rows")
     return qsl
 
 

@@ -45,6 +45,8 @@ class PAPlan:
         self.batch = batch
         batch.memo_key()  # the batch tensors' layout as planned (run refuses a batch resized since)
         self.max_context = max_context  # an upper bound on every context (None: the table width)
+        if not isinstance(backend, str):
+            raise TypeError(f"backend: expected a str ('auto' or an implementation name), got {type(backend).__name__}")
         self.backend = backend
         self.state: dict = {}  # implementation launch state, keyed by the implementation and layer shape
         self._impls: dict = {}  # layer signature -> Implementation (chosen once)
@@ -70,6 +72,14 @@ class PAPlan:
         ``backend`` overrides the plan's choice (an adapter's per-layer setting). ``before_launch()``
         runs once every argument is checked, before any kernel: an adapter's write of the step's new
         K/V there leaves the caches untouched when the call is refused."""
+        # checked before anything else: a falsy or unhashable override must not fall back to the plan's choice
+        # or fail inside the memo below with an unrelated error
+        chosen = self.backend if backend is None else backend
+        if not isinstance(chosen, str):
+            raise TypeError(f"backend: expected None or a str ('auto' or an implementation name), got "
+                            f"{type(backend).__name__}")
+        if before_launch is not None and not callable(before_launch):
+            raise TypeError(f"before_launch: expected None or a callable, got {type(before_launch).__name__}")
         b = self.batch
         if (arg_key(b.block_tables), arg_key(b.context_lengths), arg_key(b.query_start_loc)) != b.memo_key()[:3]:
             # resized or re-strided in place since the plan was made (refilling their values is fine)
@@ -83,11 +93,10 @@ class PAPlan:
         # one choice; check_layer keeps it with its memo): shapes, dtypes, strides, alignment, scale, window
         # (FlyDSL's AITER kernel takes contiguous caches and no softmax_scale: a layer with interleaved K/V
         # pages or another scale must be chosen for anew)
-        sig = (p.layer_key, backend)
+        sig = (p.layer_key, chosen)
         impl = self._impls.get(sig)
         if impl is None:
-            impl = self._impls[sig] = registry_for(p).select(p, backend or self.backend, device_type=p.device.type,
-                                                      site_depth=1)
+            impl = self._impls[sig] = registry_for(p).select(p, chosen, device_type=p.device.type, site_depth=1)
         if before_launch is not None:
             before_launch()
         return impl.run(p)

@@ -18,6 +18,7 @@ def test_the_session_patched_the_interpreter():
     from backend_core import interpreter
 
     assert interpreter._patched and interpreter._bf16_patched and faithful_interpreter()
+    assert interpreter.scalar_loop_bounds()
 
 
 def test_bf16_widens_exactly_as_a_gpu_does():
@@ -78,3 +79,24 @@ def test_fp8_bytes_decode_as_torch_decodes_them():
     for got in y.view(3, 256):
         assert torch.equal(got.isnan(), want.isnan())
         assert torch.equal(got[~want.isnan()], want[~want.isnan()])
+
+
+@pytest.mark.filterwarnings("error:Conversion of an array with ndim > 0 to a scalar:DeprecationWarning")
+def test_loop_bounds_read_from_memory_take_the_element():
+    """A trip count loaded from memory reaches ``range`` as a 1-element array; ``int()`` of it is deprecated
+    in NumPy 2.x and an error from 2.3 (the warning is made an error here, so this fails on older NumPy too
+    without the patch)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def count(n_ptr, y):
+        n = tl.load(n_ptr)
+        acc = 0
+        for i in range(0, n):
+            acc += i
+        tl.store(y, acc)
+
+    y = torch.zeros(1, dtype=torch.int32)
+    count[(1,)](torch.tensor([5], dtype=torch.int32), y)
+    assert y.item() == 10

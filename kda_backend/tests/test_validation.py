@@ -22,6 +22,14 @@ def unchanged(case, snap):
 
 # (id, mutation of the kwargs, exception type, message fragment)
 MUTATIONS = [
+    # the argument that is wrong is named: a state with another H or K (x, dt_bias agree with each other), a
+    # conv_weight of another width, an f_a of another rank (both arguments named: nothing says which is wrong)
+    ("state-heads", lambda kw: kw.update(state=kw["state"][:, :1]), ValueError,
+     "state: expected [slots, H, V, K] with H*K = 64"),
+    ("state-head-dim", lambda kw: kw.update(state=kw["state"].new_zeros(kw["state"].shape[0], 2, 16, 16)), ValueError,
+     "state: expected [slots, H, V, K] with H*K = 64"),
+    ("cw-width", lambda kw: kw.update(conv_weight=kw["conv_weight"][:, :3]), ValueError,
+     "conv_weight / conv_state: the conv width disagrees: conv_weight [3*H*K, W] = [192, 3] has W=3"),
     ("x-not-tensor", lambda kw: kw.update(x=kw["x"].tolist()), TypeError, "x: expected a torch.Tensor"),
     ("x-dtype", lambda kw: kw.update(x=kw["x"].float()), ValueError, "x: expected dtype bfloat16"),
     ("x-shape", lambda kw: kw.update(x=torch.cat([kw["x"], kw["x"][:, :1]], 1)), ValueError,
@@ -51,7 +59,7 @@ MUTATIONS = [
      ValueError, "conv_weight: expected one unit-stride axis"),
     ("cs-missing", lambda kw: kw.update(conv_state=None), TypeError, "conv_state: expected a torch.Tensor"),
     ("cs-width", lambda kw: kw.update(conv_state=kw["conv_state"][:, :, :2]), ValueError,
-     "conv_state: expected shape [slots, 3*H*K, W-1]"),
+     "conv_weight / conv_state: the conv width disagrees"),
     ("cs-overlap", lambda kw: kw.update(conv_state=kw["conv_state"][:1].expand(kw["conv_state"].shape)), ValueError,
      "conv_state: elements overlap"),
     ("cs-dtype", lambda kw: kw.update(conv_state=kw["conv_state"].float()), ValueError,
@@ -91,8 +99,12 @@ MUTATIONS = [
 
 
 F_B_MUTATIONS = [
+    ("fa-rank", lambda kw: kw.update(f_a=kw["f_a"][:, :-1]), ValueError,
+     "f_a / f_b_weight: the rank R disagrees: f_a [B, R] = [3, 31] has R=31"),
     ("fa-batch", lambda kw: kw.update(f_a=kw["f_a"][:1]), ValueError, "f_a: expected shape [B, R]"),
     ("fbw-shape", lambda kw: kw.update(f_b_weight=kw["f_b_weight"][:, :, :-1]), ValueError,
+     "f_a / f_b_weight: the rank R disagrees"),
+    ("fbw-heads", lambda kw: kw.update(f_b_weight=kw["f_b_weight"][:1]), ValueError,
      "f_b_weight: expected shape [H, K, R]"),
     ("fbw-dtype", lambda kw: kw.update(f_b_weight=kw["f_b_weight"].float()), ValueError,
      "f_b_weight: expected dtype bfloat16"),

@@ -204,7 +204,7 @@ def test_prefill_bad_query_start_loc(impl, qid, qsl, msg):
 
 def test_prefill_host_offsets_are_checked_too():
     c = case(query_lengths=[2, 5, 1])
-    with pytest.raises(ValueError, match="query_start_loc: expected non-decreasing"):
+    with pytest.raises(ValueError, match="query_start_loc_host: expected non-decreasing"):
         from pa_backend.contract import prepare_attention
         prepare_attention(**c.kwargs, prefill=True, query_start_loc_host=[0, 5, 3, 8])
 
@@ -217,7 +217,7 @@ def test_prefill_host_offsets_must_be_integers(host):
     from pa_backend import plan_prefill
 
     kw = case(query_lengths=[2, 5, 1]).kwargs
-    with pytest.raises(TypeError, match="query_start_loc: expected 4 integers"):
+    with pytest.raises(TypeError, match="query_start_loc_host: expected 4 integers"):
         plan_prefill(kw["block_tables"], kw["query_start_loc"], kw["context_lengths"], query_start_loc_host=host)
 
 

@@ -102,7 +102,7 @@ def test_plan_checks_layer_arguments_against_the_batch():
     with pytest.raises(ValueError, match="out: shares memory with query"):
         plan.run(*(kw[k] for k in LAYER_ARGS), out=kw["query"])
     p = prefill_case()
-    with pytest.raises(ValueError, match="query_start_loc: expected non-decreasing"):
+    with pytest.raises(ValueError, match="query_start_loc_host: expected non-decreasing"):
         plan_prefill(p.kwargs["block_tables"], p.kwargs["query_start_loc"], p.kwargs["context_lengths"],
                      query_start_loc_host=[0, 40, 30, 60])
     plan = plan_prefill(p.kwargs["block_tables"], p.kwargs["query_start_loc"], p.kwargs["context_lengths"],
@@ -111,6 +111,36 @@ def test_plan_checks_layer_arguments_against_the_batch():
         plan.run(p.kwargs["query"][:59], *(p.kwargs[k] for k in LAYER_ARGS[1:]))
     with pytest.raises(ValueError, match="max_context: expected None or an int >= 0"):
         plan_decode(kw["block_tables"], kw["context_lengths"], max_context=-1)
+
+
+@pytest.mark.parametrize("backend, exc, msg", [
+    ("", ValueError, "backend: '' is not an implementation"),
+    (0, TypeError, "backend: expected None or a str"),
+    (["torch"], TypeError, "backend: expected None or a str"),
+])
+def test_run_refuses_a_bad_backend_naming_it(backend, exc, msg):
+    """A falsy override did not fall back to the plan's choice silently, nor a list fail unhashable in the memo."""
+    c = decode_case()
+    kw = c.kwargs
+    plan = plan_decode(kw["block_tables"], kw["context_lengths"], backend="torch")
+    with pytest.raises(exc, match=msg):
+        plan.run(*(kw[k] for k in LAYER_ARGS), backend=backend)
+    with pytest.raises(TypeError, match="backend: expected a str"):
+        plan_decode(kw["block_tables"], kw["context_lengths"], backend=0)
+
+
+def test_run_refuses_a_before_launch_that_is_not_callable():
+    c = decode_case()
+    kw = c.kwargs
+    before = [kw[k].clone() for k in ("key_cache", "value_cache")]
+    plan = plan_decode(kw["block_tables"], kw["context_lengths"], backend="torch")
+    with pytest.raises(TypeError, match="before_launch: expected None or a callable, got int"):
+        plan.run(*(kw[k] for k in LAYER_ARGS), before_launch=5)
+    assert all(torch.equal(a.view(torch.uint8), kw[k].view(torch.uint8))
+               for a, k in zip(before, ("key_cache", "value_cache")))
+    seen = []
+    plan.run(*(kw[k] for k in LAYER_ARGS), before_launch=lambda: seen.append(1))
+    assert seen == [1]
 
 
 def test_decode_partitions_follow_the_context():
