@@ -1,7 +1,7 @@
 import pytest
 
 from backend_core import flydsl_source
-from backend_core.testing import install_fake_aiter
+from backend_core.tests.testing import install_fake_aiter
 
 
 @pytest.fixture(autouse=True)

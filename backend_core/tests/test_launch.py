@@ -278,7 +278,7 @@ def test_direct_launch_matches_triton_on_the_gpu():
     assert not torch.equal(caches[0][0], kw["key_cache"].view(torch.uint8))  # write_kv wrote
     # the same call twice (the same addresses: a server's layer step after step): the second launches the
     # kept launch of the first (pa_backend.triton's write launches, a Bound with nothing varying)
-    from backend_core.testing import bound_launches
+    from backend_core.tests.testing import bound_launches
 
     if not L.enabled:
         return  # the direct launch is off here (ROCm's default, or FLYDSL_BACKENDS_TRITON_DIRECT=0): nothing kept

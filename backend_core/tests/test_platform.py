@@ -2,9 +2,9 @@ import pytest
 import torch
 
 from backend_core import platform
-from backend_core.testing import amd_props as amd
-from backend_core.testing import clear_device_memos, nvidia_props
-from backend_core.testing import fake_gpus as _fake_gpus
+from backend_core.tests.testing import amd_props as amd
+from backend_core.tests.testing import clear_device_memos, nvidia_props
+from backend_core.tests.testing import fake_gpus as _fake_gpus
 
 
 @pytest.fixture

@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-from backend_core.testing import clear_device_memos, fake_gpus, nvidia_props
+from backend_core.tests.testing import clear_device_memos, fake_gpus, nvidia_props
 from flydsl_backends import cli
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from backend_core import flydsl_source, platform
-from backend_core.testing import aiter_standin as aiter_standin_of
-from backend_core.testing import (
+from backend_core.tests.testing import aiter_standin as aiter_standin_of
+from backend_core.tests.testing import (
     amd_props,
     clear_device_memos,
     fake_gpus,

@@ -20,7 +20,7 @@ import random
 import pytest
 import torch
 
-from backend_core.testing import relaid as relay
+from backend_core.tests.testing import relaid as relay
 from kda_backend import REGISTRY
 from kda_backend.cases import SENTINEL, make_case, rel_err
 from kda_backend.verify import tolerances

@@ -9,7 +9,7 @@ import os
 import pytest
 
 from backend_core import platform
-from backend_core.aot import run_report_script
+from backend_core.tests.aot import run_report_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(not platform.triton_available(), reason="triton 
 
 SCRIPT = """
 import json
-from kda_backend.triton.resources import SHIPPED_CONFIGS, ptxas_report
+from kda_backend.tests.triton_resources import SHIPPED_CONFIGS, ptxas_report
 rows = [[list(c), ptxas_report(c[0], c[1], c[2], c[3])] for c in SHIPPED_CONFIGS]
 # a configuration that must spill (a 128x128 FP32 tile in one warp): proves the check can fail
 rows.append([["fp32", False, 128, 1, "must-spill"], ptxas_report("fp32", False, 128, 1)])
@@ -40,7 +40,7 @@ def test_shipped_configs_have_no_spills():
 
 AMD_SCRIPT = """
 import json
-from kda_backend.triton.resources import SHIPPED_CONFIGS, amdgcn_report
+from kda_backend.tests.triton_resources import SHIPPED_CONFIGS, amdgcn_report
 rows = [[[arch] + list(c), amdgcn_report(arch, *c)] for arch in ("gfx942", "gfx950") for c in SHIPPED_CONFIGS]
 print(json.dumps(rows))
 """

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kda_backend
-from backend_core.testing import CORRUPTIONS, corrupt
+from backend_core.tests.testing import CORRUPTIONS, corrupt
 from kda_backend.cases import clone_caches, make_case, rel_err
 
 from .conftest import DEVICE

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from backend_core import platform
-from backend_core.aot import run_report_script
+from backend_core.tests.aot import run_report_script
 from pa_backend.cases import make_pa_case
 
 from .test_gpu import assert_replay_matches_eager
@@ -56,7 +56,7 @@ SCRIPT = """
 import json
 from pa_backend.triton import (GLUON_CONSUMER_REGS, GLUON_MAXNREG, GLUON_MAXNREG_128, GLUON_PREFILL_M,
                                GLUON_PRODUCER_REGS, GLUON_SLOTS, GLUON_SLOTS_128)
-from pa_backend.triton.resources import gluon_ptxas_report
+from pa_backend.tests.triton_resources import gluon_ptxas_report
 rows = [["decode", gluon_ptxas_report(GLUON_SLOTS, GLUON_PRODUCER_REGS, GLUON_MAXNREG)]]
 for direct in (True, False):
     rows.append([f"prefill direct={direct}", gluon_ptxas_report(GLUON_SLOTS_128, GLUON_PRODUCER_REGS, GLUON_MAXNREG_128,

@@ -21,7 +21,7 @@ import random
 import pytest
 import torch
 
-from backend_core.testing import relaid as relay
+from backend_core.tests.testing import relaid as relay
 from pa_backend import REGISTRY, pa_decode, pa_prefill, write_kv
 from pa_backend.cases import make_pa_case
 from pa_backend.fp8 import fp8_nan_byte

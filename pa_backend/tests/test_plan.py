@@ -416,7 +416,7 @@ def test_later_layers_launch_bound_with_their_own_tensors_interpreter(kind, monk
 
     if not REGISTRY.get("triton").is_available()[0]:
         pytest.skip("triton not usable here")
-    from backend_core.testing import kept_args_binder
+    from backend_core.tests.testing import kept_args_binder
 
     taken = []
     monkeypatch.setattr(T, "bind", kept_args_binder(taken))
@@ -430,7 +430,7 @@ def test_later_layers_launch_bound_with_their_own_tensors(kind):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from backend_core import launch as launch_mod
-    from backend_core.testing import bound_launches
+    from backend_core.tests.testing import bound_launches
 
     if not launch_mod.enabled:
         pytest.skip("the direct launch is switched off (FLYDSL_BACKENDS_TRITON_DIRECT=0)")

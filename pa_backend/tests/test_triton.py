@@ -234,7 +234,7 @@ def test_write_kv_kept_launches_follow_their_arguments(monkeypatch):
     other tensor (key, value, slots, caches and their scales) makes its own. On the interpreter, with a
     stand-in of ``bind`` that keeps the first call's tensors: the bytes still equal the reference writer's."""
     import pa_backend.triton as T
-    from backend_core.testing import kept_args_binder
+    from backend_core.tests.testing import kept_args_binder
     from pa_backend import write_kv
 
     taken = []

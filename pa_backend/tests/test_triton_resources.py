@@ -8,7 +8,7 @@ import os
 import pytest
 
 from backend_core import platform
-from backend_core.aot import run_report_script
+from backend_core.tests.aot import run_report_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -17,12 +17,12 @@ pytestmark = pytest.mark.skipif(not platform.triton_available(), reason="triton 
 # two halves, one subprocess each (so parallel test workers share the compiles)
 SCRIPTS = {"shipped": """
 import json
-from pa_backend.triton.resources import SHIPPED_CONFIGS, ptxas_report
+from pa_backend.tests.triton_resources import SHIPPED_CONFIGS, ptxas_report
 rows = [[list(c), ptxas_report(*c)] for c in SHIPPED_CONFIGS]
 print(json.dumps(rows))
 """, "variants": """
 import json
-from pa_backend.triton.resources import ptxas_report
+from pa_backend.tests.triton_resources import ptxas_report
 rows = [[["grid", D, v5], ptxas_report(D=D, v5d=v5, per_token=v5, queue=False)] for D in (64, 128) for v5 in (0, 1)]
 rows += [[["direct", D, m, v5], ptxas_report(D=D, M=m, v5d=v5, per_token=v5, direct=True, sinks=True)]
          for D in (64, 128, 256) for m in (16, 64) for v5 in (0, 1)]
@@ -41,7 +41,7 @@ print(json.dumps(rows))
 def test_decode_kernels_compile_for_sm90_without_spills(part):
     proc, rows = run_report_script(SCRIPTS[part], ROOT)
     assert rows is not None, proc.stderr[-3000:]
-    from pa_backend.triton.resources import SPILL_ALLOWED
+    from pa_backend.tests.triton_resources import SPILL_ALLOWED
 
     for config, rep in rows:
         print(config, rep)
@@ -73,7 +73,7 @@ def test_batch_dependent_scalars_are_not_specialized():
 
 AMD_SCRIPT = """
 import json, sys
-from pa_backend.triton.resources import amdgcn_report
+from pa_backend.tests.triton_resources import amdgcn_report
 rows = []
 for arch in sys.argv[1:]:
     for D, bs, m, v5 in ((128, 16, 16, 0), (64, 16, 16, 1), (128, 16, 64, 0), (256, 64, 16, 1), (256, 16, 16, 1),
@@ -101,7 +101,7 @@ def test_kernels_compile_for_amd_gfx942_and_gfx950(arch):
         pytest.skip("this Triton has no AMD backend")
     proc, rows = run_report_script(AMD_SCRIPT, ROOT, args=[arch])
     assert rows is not None, proc.stderr[-3000:]
-    from pa_backend.triton.resources import AMD_SCRATCH_ALLOWED
+    from pa_backend.tests.triton_resources import AMD_SCRATCH_ALLOWED
 
     assert len(rows) == 13 and {r[0][0] for r in rows} == {arch}
     for config, rep in rows:

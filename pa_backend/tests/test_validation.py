@@ -5,7 +5,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backend_core.testing import CORRUPTIONS, corrupt
+from backend_core.tests.testing import CORRUPTIONS, corrupt
 from pa_backend import REGISTRY, pa_decode, pa_prefill, write_kv
 from pa_backend.cases import make_pa_case
 

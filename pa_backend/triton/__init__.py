@@ -7,7 +7,7 @@ once per plan (``PAProblem.plan``: one forward batch) and layer shape, then reus
 a layer's call only launches. No step reads device memory on the host.
 
 Status: tested under TRITON_INTERPRET=1 on CPU, compiled for sm_90 (no spills but the measured
-exceptions in resources.SPILL_ALLOWED), and run on NVIDIA GPUs (the GPU grid of
+exceptions in the SPILL_ALLOWED list of pa_backend/tests/triton_resources.py), and run on NVIDIA GPUs (the GPU grid of
 pa_backend/tests/test_gpu.py); ``backend="auto"`` chooses it on NVIDIA GPUs. Not run on AMD (no AMD
 GPU here; there the task queue runs without the per-SM limit, which reads NVIDIA's %smid).
 """
@@ -89,7 +89,7 @@ def decode_tiling(D: int, BM: int, block_size: int = 16, amd: bool = False) -> T
     ``amd``: the tiling for AMD GPUs (wavefronts of 64), where nothing here has run: the NVIDIA
     tiling but BT 16 at D 256, so no configuration needs scratch (at BT 32 the 8-warp D 256 program
     with per-token scales and the 5-D V layout spilled 8-20 bytes per lane on gfx942; BT 16 has
-    none on gfx942 or gfx950 and fits 3-4 waves per SIMD; resources.amdgcn_report)."""
+    none on gfx942 or gfx950 and fits 3-4 waves per SIMD; the resource test's amdgcn_report)."""
     bt = (64 if D <= 128 else 32) // (2 if BM * D > 8192 else 1)
     if amd and D > 128:
         bt = 16
@@ -124,7 +124,8 @@ def prefill_tiling(D: int, G: int, block_size: int = 16, amd: bool = False,
     / _BT / _WARPS / _STAGES override them (call ``prefill_tiling.cache_clear()`` after changing them).
     On NVIDIA, D=128: M 256, BT 64, 8 warps, 2 stages, the fastest setting of a tuning sweep (about 10%
     ahead of M 128 with 4 warps; docs/performance.md), although ptxas spills 164 bytes at M 256 with
-    Triton 3.6; the resource test allows exactly this configuration's spills (SPILL_ALLOWED in resources.py).
+    Triton 3.6; the resource test allows exactly this configuration's spills (SPILL_ALLOWED in
+    pa_backend/tests/triton_resources.py).
 
     ``m``: this M instead (the Gluon kernel's 128-row prefill items, gluon_prefill).
 
@@ -133,7 +134,7 @@ def prefill_tiling(D: int, G: int, block_size: int = 16, amd: bool = False,
     an 8-wave workgroup caps a wave at 256 registers. D <= 128 takes M 128, BT 64, 4 warps, 1 stage
     instead (the tile sizes vLLM 0.33's paged prefix-prefill Triton kernel launches with on ROCm as on
     CUDA; a 4-wave workgroup may use the accumulation registers too): no scratch on either arch
-    (resources.amdgcn_report). D 256 keeps M 64 (no scratch).
+    (the resource test's amdgcn_report). D 256 keeps M 64 (no scratch).
     """
     m = m or env_positive_int("FLYDSL_BACKENDS_PA_PREFILL_M",
                               (128 if amd else 256) if D == 128 else 128 if D < 128 else 64)

@@ -10,8 +10,8 @@ from __future__ import annotations
 import inspect
 from typing import Dict
 
-from backend_core.aot import amdgcn_report as _amdgcn_report
-from backend_core.aot import ptxas_report as _ptxas_report
+from backend_core.tests.aot import amdgcn_report as _amdgcn_report
+from backend_core.tests.aot import ptxas_report as _ptxas_report
 
 __all__ = ["ptxas_report", "amdgcn_report", "SHIPPED_CONFIGS"]
 
@@ -39,7 +39,7 @@ def amdgcn_report(arch: str = "gfx942", state_dtype: str = "fp32", with_f_b: boo
 
 
 def _spec(state_dtype, with_f_b, BV, K, H, W):
-    from .kda_decode import kda_decode_kernel
+    from kda_backend.triton.kda_decode import kda_decode_kernel
 
     types = {}
     for n in inspect.signature(kda_decode_kernel.fn).parameters:

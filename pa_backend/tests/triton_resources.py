@@ -7,8 +7,8 @@ from __future__ import annotations
 import inspect
 from typing import Dict, Optional
 
-from backend_core.aot import amdgcn_report as _amdgcn_report
-from backend_core.aot import ptxas_report as _ptxas_report
+from backend_core.tests.aot import amdgcn_report as _amdgcn_report
+from backend_core.tests.aot import ptxas_report as _ptxas_report
 
 __all__ = ["ptxas_report", "gluon_ptxas_report", "amdgcn_report", "SHIPPED_CONFIGS", "SPILL_ALLOWED",
            "AMD_SCRATCH_ALLOWED"]
@@ -92,8 +92,8 @@ def _arg_types(fn, cache_type: str = "*fp8e4nv") -> Dict[str, str]:
 def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks, amd):
     """(kernel, argument types, constexprs, 16-divisible arguments, warps, stages, register cap) of one
     configuration as the launcher builds it on NVIDIA sm_90 (``amd`` None) or on the AMD ``amd`` arch."""
-    from .pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel
-    from .write_kv import write_kv_kernel
+    from pa_backend.triton.pa_decode import pa_decode_partition_kernel, pa_decode_reduce_kernel
+    from pa_backend.triton.write_kv import write_kv_kernel
 
     fn = {"partition": pa_decode_partition_kernel, "reduce": pa_decode_reduce_kernel, "write": write_kv_kernel}[kernel]
     types = _arg_types(fn, "*fp8e4b8" if amd == "gfx942" else "*fp8e4nv")  # fp8.py: e4m3fnuz on gfx942
@@ -102,8 +102,8 @@ def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks
     v5d, per_token, direct, sinks = bool(v5d), bool(per_token), bool(direct), bool(sinks)
     maxnreg = None
     if kernel == "partition":
-        from ..planner import work_rows
-        from . import decode_tiling, prefill_tiling
+        from pa_backend.planner import work_rows
+        from pa_backend.triton import decode_tiling, prefill_tiling
 
         if ragged:  # prefill: GQA 4, the shipped prefill tiling (M None: its rows)
             G = 4
@@ -119,13 +119,13 @@ def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks
                           QUEUE=(warps == 1 and not ragged and not direct) if queue is None else queue,
                           SM_SLOTS=0 if amd else 256, DIRECT=direct, HAS_SINKS=sinks,
                           QK8=BM >= 64 and amd is None)  # what fp8_qk picks on sm_90 with e4m3fn caches
-        from . import register_cap
+        from pa_backend.triton import register_cap
 
         maxnreg = register_cap(warps, constexprs["QUEUE"], not ragged) if amd is None else None
     elif kernel == "write":
         import torch
 
-        from . import fp8_write_constants
+        from pa_backend.triton import fp8_write_constants
 
         fp8 = torch.float8_e4m3fnuz if amd == "gfx942" else torch.float8_e4m3fn  # the cache format _run_write sees
         constexprs = dict(D=D, BS=block_size, **fp8_write_constants(fp8), V5D=v5d, K_PER_TOKEN=per_token,
@@ -133,7 +133,7 @@ def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks
         warps = 1 if D <= 128 else 2
         stages = 3
     else:
-        from . import reduce_unroll, reduce_warps
+        from pa_backend.triton import reduce_unroll, reduce_warps
 
         BM = M
         constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, ALIGN=64, HAS_SINKS=True, RAGGED=ragged, QUEUE=True,
@@ -153,7 +153,7 @@ def gluon_ptxas_report(slots: int, producer_regs: int, maxnreg: int, block_size:
     """ptxas' numbers (sm_90) of the Gluon partition kernel (gluon_decode.py) as the launcher builds it: for the
     GQA 16 x 4-row decode (``rows`` 64), or for prefill chunks of 32 rows x GQA 4 (``rows`` 128: two consumer
     warpgroups; ``direct``: one partition per chunk, the output written by the kernel, with sinks)."""
-    from .gluon_decode import gluon_partition_kernel
+    from pa_backend.triton.gluon_decode import gluon_partition_kernel
 
     types = _arg_types(gluon_partition_kernel)
     ce = dict(HKV=1, G=16, QL=4, BM=64, D=128, BS=block_size, BT=64, ALIGN=max(64, block_size), NBUF=slots,
