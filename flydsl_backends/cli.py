@@ -59,7 +59,8 @@ def cmd_info(args) -> int:
     s = platform.summary()
     print("flydsl-backends info")
     print(f"  torch   {s['torch']} ({s['torch_build']})")
-    print(f"  triton  {s['triton'] or 'not installed'}" + ("  [interpreter]" if platform.triton_interpreter_enabled() else ""))
+    interp = "  [interpreter]" if platform.triton_interpreter_enabled() else ""
+    print(f"  triton  {s['triton'] or 'not installed'}{interp}")
     print(f"  flydsl  {s['flydsl'] or 'not installed'}")
     for d in s["devices"]:
         print(f"  device  {d}")
@@ -173,8 +174,9 @@ def _family_table(args, title: str, run_family, bound_legend=None) -> int:
             ).strip() or r.get("detail") or ""
             state = f"{r['state_err']:>9.2e}" if "state_err" in r else f"{'-':>9}"
             bound = (f" {r['bound']:>9.2e}" if "bound" in r else dash) if legend else ""
+            tail = f"{r['case']}{'; ' + detail if detail else ''}"
             print(f"{op:<5} {r['impl']:<7} {'PASS' if r['ok'] else 'FAIL':<6} "
-                  f"{r.get('out_err', float('nan')):>9.2e} {state}{bound}  {r['case']}{'; ' + detail if detail else ''}")
+                  f"{r.get('out_err', float('nan')):>9.2e} {state}{bound}  {tail}")
         print(f"({time.time() - t0:.1f} s)")
     print(f"\n{total - failures} passed, {failures} failed" + (f", {n_skipped} skipped" if n_skipped else ""))
     if failures:
