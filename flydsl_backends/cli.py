@@ -213,7 +213,7 @@ def cmd_accuracy(args) -> int:
 
 def cmd_bench(args) -> int:
     from backend_core import platform
-    from backend_core.timing import check_out, today, write_rows
+    from backend_core.timing import check_out, write_rows
 
     if not platform.has_gpu() and not getattr(args, "host", False):
         print("bench needs a CUDA/ROCm GPU; this machine has none (timings on the CPU interpreter mean nothing); "
@@ -232,7 +232,8 @@ def cmd_bench(args) -> int:
         print("--out: `bench pa --host` prints its figures and writes no CSV", file=sys.stderr)
         return 2
     dev = platform.device_info().name.replace(" ", "_")
-    out = Path(args.out) if args.out else Path("benchmarks/results") / f"{args.op}_decode_{dev}_{today()}.csv"
+    # one CSV per op and device: rows append, each carrying its commit and date
+    out = Path(args.out) if args.out else Path("benchmarks/results") / f"{args.op}_decode_{dev}.csv"
     bad = None if getattr(args, "host", False) else check_out(out)
     if bad:  # before any timing: a bad path must not cost the run
         print(f"--out: {bad}", file=sys.stderr)
@@ -312,7 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed replays per row, the median reported (pa --host: 20 x this many layer calls)")
     for fam in _ops.OPS:  # each family's own flags (their help names the op)
         fam.add_bench_args(b)
-    b.add_argument("--out", default=None, help="CSV path (default benchmarks/results/<op>_decode_<device>_<date>.csv)")
+    b.add_argument("--out", default=None,
+                   help="CSV path; rows append (default benchmarks/results/<op>_decode_<device>.csv)")
     s = sub.add_parser("serving-accuracy", help="a real model through vLLM / SGLang: flydsl against the framework's "
                                                 "own backend (or HF over the same FP8 K/V)")
     from . import serving_accuracy
