@@ -125,12 +125,11 @@ for step in $steps; do
     # (HOST_TIME_ARGS=--profile: a cProfile of the layer calls too)
     host-vllm) cmd=(env PYTHONPATH="$(vllm_env):$PYTHONPATH" VLLM_TARGET_DEVICE=cpu python3 -m integration_tests.vllm.host_time 1000 --gpu ${HOST_TIME_ARGS:-}) ;;
     host-sglang) cmd=(env PYTHONPATH="$(sglang_env):$PYTHONPATH" python3 -m integration_tests.sglang.host_time 1000 --gpu ${HOST_TIME_ARGS:-}) ;;
-    # the Gluon kernel in the Triton backend (opt-in, FLYDSL_BACKENDS_PA_GLUON=1 / all): its CPU and GPU tests, then
-    # the bench with it on for decode and prefill (the ql 4 decode row and the prefill rows take it)
-    # (GLUON_BENCH=0: the tests only)
-    gluon-ws) cmd=(bash -c "python3 -m pytest -q pa_backend/tests/test_gluon.py -p no:cacheprovider -rfs;
+    # the Gluon kernel experiment (benchmarks/gluon_decode.py, not in the package): its tests, then the script's
+    # check against the reference and timing against the Triton kernel (GLUON_BENCH=0: the tests only)
+    gluon-ws) cmd=(bash -c "python3 -m pytest -q benchmarks/test_gluon_decode.py -p no:cacheprovider -rfs;
                    a=\$?; [ \"${GLUON_BENCH:-1}\" = 0 ] && exit \$a;
-                   FLYDSL_BACKENDS_PA_GLUON=all python3 -m flydsl_backends bench pa --no-baseline --out $out/pa_bench_gluon.csv;
+                   python3 benchmarks/gluon_decode.py;
                    exit \$((a | \$?))") ;;
     *) echo "unknown step $step"; rc=2; continue ;;
   esac

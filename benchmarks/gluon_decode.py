@@ -28,14 +28,22 @@
 # with the padding, a cap of 168 (one CTA per SM), consumers 200-232, producer 72.
 # Shared memory: NBUF x 16 KB ring, 16 KB FP16 V and 16 KB query per consumer: 96 KB at NBUF 4 with one
 # consumer (two CTAs per SM), 128 KB at NBUF 4 with two (one CTA per SM).
-# Chosen by FLYDSL_BACKENDS_PA_GLUON=1 (decode) / all (and prefill): pa_backend/triton/__init__.py gluon_ws.
-# Measured on one Hopper GPU model (figures in docs/performance.md; pa_backend/tests/test_gluon.py's GPU tests
-# passed there): about as fast as the Triton kernel on the long multi-token decode, faster on shorter batches,
-# within a few percent on prefill, hence opt-in. Profiles show it stalling mostly at CTA barriers and
+# Not part of the package: kept here as a runnable experiment (``python3 benchmarks/gluon_decode.py`` on an sm_90
+# GPU checks it against the float64 reference and times it against the shipped Triton kernel; its tests are
+# benchmarks/test_gluon_decode.py). Measured on one Hopper GPU model (docs/performance.md): about as fast as
+# the Triton kernel on the long multi-token decode, faster on shorter batches,
+# within a few percent on prefill, so it never became the default. Profiles show it stalling mostly at CTA barriers and
 # shared-memory scoreboards, with a tile taking several times what its dots and copies need; what limits it is
 # not settled (candidates: one block-id load per page instead of per token, one barrier per tile, bulk copies of
 # whole 2 KB pages; K's x-packed page appears to be wgmma's unswizzled K-major layout already).
 
+import argparse
+import functools
+import os
+import sys
+from typing import Optional
+
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
@@ -45,6 +53,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from backend_core import platform  # noqa: E402
+from pa_backend.contract import PAProblem, check_layer  # noqa: E402
+from pa_backend.triton.launch_state import Launch, clear_unworked_rows, launch_state  # noqa: E402
+from pa_backend.triton.pa_decode_launch import _reduce  # noqa: E402
+from pa_backend.triton.tiling import aligned16, fp8_qk, v_maxnum  # noqa: E402
 
 
 @gluon.jit
@@ -83,8 +98,9 @@ def _span(ctx, i_p, P, few_target, min_pt, long_pt, short_target, ALIGN: gl.cons
 
 
 @gluon.jit
-def _producer(p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_h, start, end, num_blocks,
-              stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_bt_s,
+def _producer(p_kc, p_vc, p_block_tables, k_ring, v_ring, ready, empty, seq, i_h, start, end, num_blocks,
+              stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2,
+              stride_block_tables,
               D: gl.constexpr, BS: gl.constexpr, BT: gl.constexpr, NBUF: gl.constexpr):
     KL: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [1, 1], [1, 0])  # K [BT, D]: 16 bytes along D per access
     VL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [1, 1], [1, 0])  # V^T [D, BT]: 16 tokens per access
@@ -97,7 +113,7 @@ def _producer(p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_h, start, e
     v_in = o_dv * stride_vc_2
     kbase = p_kc + i_h * stride_kc_h
     vbase = p_vc + i_h * stride_vc_h
-    p_row = p_bt + seq * stride_bt_s
+    p_row = p_block_tables + seq * stride_block_tables
     for j in range(n_tiles):
         s = j % NBUF
         # first hand over tile j - NBUF + 1 (the oldest of the NBUF - 1 in flight), so the consumer never
@@ -236,12 +252,12 @@ def _consumer(p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los,
 
 @gluon.jit(do_not_specialize=("P", "max_tokens", "num_blocks", "few_target", "min_pt", "long_pt", "short_target"))
 def gluon_partition_kernel(
-    p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_out, p_sinks,
+    p_q, p_kc, p_vc, p_ks, p_vs, p_block_tables, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_out, p_sinks,
     P, softmax_scale, max_tokens, num_blocks, few_target, min_pt, long_pt, short_target,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2,
-    stride_bt_s, stride_cl,
+    stride_block_tables, stride_cl,
     HKV: gl.constexpr, G: gl.constexpr, QL: gl.constexpr, BM: gl.constexpr, D: gl.constexpr, BS: gl.constexpr,
     BT: gl.constexpr, ALIGN: gl.constexpr, NBUF: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     RAGGED: gl.constexpr = False, DIRECT: gl.constexpr = False, CONSUMER_REGS: gl.constexpr = 200,
@@ -279,9 +295,9 @@ def gluon_partition_kernel(
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
                           stride_q_t, stride_q_h, stride_o_t, stride_o_h, 0, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
                           HAS_SINKS)),
-             (_producer, (p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_hkv, start, end, num_blocks,
+             (_producer, (p_kc, p_vc, p_block_tables, k_ring, v_ring, ready, empty, seq, i_hkv, start, end, num_blocks,
                           stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2,
-                          stride_bt_s, D, BS, BT, NBUF))],
+                          stride_block_tables, D, BS, BT, NBUF))],
             [1], [PRODUCER_REGS])
     else:
         gl.warp_specialize(
@@ -290,12 +306,157 @@ def gluon_partition_kernel(
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
                           stride_q_t, stride_q_h, stride_o_t, stride_o_h, 0, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
                           HAS_SINKS)),
-             (_producer, (p_kc, p_vc, p_bt, k_ring, v_ring, ready, empty, seq, i_hkv, start, end, num_blocks,
+             (_producer, (p_kc, p_vc, p_block_tables, k_ring, v_ring, ready, empty, seq, i_hkv, start, end, num_blocks,
                           stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2,
-                          stride_bt_s, D, BS, BT, NBUF)),
+                          stride_block_tables, D, BS, BT, NBUF)),
              (_consumer, (p_q, p_out, p_sinks, p_ws_m, p_ws_l, p_ws_acc, p_vs, q_his, q_los, v16s, k_ring, v_ring,
                           ready, empty,
                           i_s, i_h, i_p, P, n_live, q0, nrows, ctx, start, end, row_scale0,
                           stride_q_t, stride_q_h, stride_o_t, stride_o_h, 1, HKV, G, QL, BM, D, BT, NBUF, DIRECT,
                           HAS_SINKS))],
                            [1, 4], [PRODUCER_REGS, CONSUMER_REGS])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Launcher: the shipped split, workspace and reduce around this partition kernel.
+
+# the ring slots, the producer warp's registers and the launch's register cap; 128-row items (two consumer
+# warpgroups): the same slots and producer, a cap of 168 and 200 registers per consumer
+GLUON_SLOTS, GLUON_PRODUCER_REGS, GLUON_MAXNREG = 4, 72, 128
+GLUON_SLOTS_128, GLUON_MAXNREG_128, GLUON_CONSUMER_REGS = 4, 168, 200
+GLUON_PREFILL_M = 128  # prefill items of 128 rows (the Triton kernel's are 256)
+
+
+@functools.lru_cache(maxsize=1)
+def gluon_available() -> bool:
+    """Whether this Triton has Gluon's Hopper ops (an experimental API; this module imports them, so here it is
+    whether the import worked)."""
+    return True
+
+
+def gluon_device(device: torch.device) -> bool:
+    """An sm_90 GPU (wgmma; not Triton's interpreter)."""
+    return device.type == "cuda" and v_maxnum(device) and platform.device_info(device).sm_version == 90
+
+
+def gluon_covers(p: PAProblem, window: bool = True) -> bool:
+    """What the kernel covers of a layer: D 128 on the FP8 Q.K path (e4m3fn caches with 16-byte strides), 16-token
+    pages (larger ones spill 8 bytes), the 4-D value layout, per-tensor scales, no sliding window
+    (``window=False``: whatever the window)."""
+    c = p.cache
+    return (c.D == 128 and fp8_qk(p.device, c, 128, p.query.dtype) and aligned16(c.key_cache, c.value_cache)
+            and c.block_size == 16 and not c.v_transposed and not c.k_per_token and not c.v_per_token
+            and (p.sliding_window == 0 or not window))
+
+
+def gluon_eligible(p: PAProblem, L: Launch) -> bool:
+    """Whether launch state ``L`` suits the kernel: decode programs of 64 rows launched on a grid with a reduce
+    (P > 1), or prefill items of GLUON_PREFILL_M rows (FLYDSL_BACKENDS_PA_PREFILL_M=128 makes them)."""
+    rows_ok = (L.BM == 64 and not L.direct) if p.is_decode else L.BM == GLUON_PREFILL_M
+    return gluon_device(p.device) and gluon_covers(p) and rows_ok and L.qk8 and not L.queue_mode
+
+
+def run_gluon(L: Launch, p: PAProblem, slots: Optional[int] = None, producer_regs: int = GLUON_PRODUCER_REGS,
+              maxnreg: Optional[int] = None, consumer_regs: int = GLUON_CONSUMER_REGS) -> torch.Tensor:
+    """The Gluon partition kernel, then the shipped reduce (none for a direct launch). ``slots`` /
+    ``producer_regs`` / ``maxnreg`` / ``consumer_regs``: the ring depth and register split (None: the defaults
+    for the item's rows)."""
+    if not clear_unworked_rows(L, p):
+        return p.out
+    c, sp = p.cache, L.split
+    kc, vc = c.key_cache, c.value_cache
+    sinks = p.sinks if p.sinks is not None else L.ws[0]  # any fp32 pointer when there are none
+    if slots is None:
+        slots = GLUON_SLOTS if L.BM == 64 else GLUON_SLOTS_128
+    if maxnreg is None:
+        maxnreg = GLUON_MAXNREG if L.BM == 64 else GLUON_MAXNREG_128
+    ws_m, ws_l, ws_acc = L.ws
+    chunks = L.chunks if L.chunks is not None else p.context_lengths
+    gluon_partition_kernel[(L.items, c.Hkv, sp.P)](
+        p.query, kc, vc, c.key_scale, c.value_scale, p.block_tables, p.context_lengths, chunks, ws_m, ws_l, ws_acc,
+        p.out, sinks, sp.P, p.softmax_scale, L.max_tokens, c.num_blocks, sp.few, sp.min_tokens, sp.long_tokens,
+        sp.short, p.query.stride(0), p.query.stride(1), p.out.stride(0), p.out.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2), kc.stride(3),
+        vc.stride(0), vc.stride(1), vc.stride(2),
+        p.block_tables.stride(0), p.context_lengths.stride(0),
+        HKV=c.Hkv, G=L.G, QL=L.QL, BM=L.BM, D=L.D, BS=c.block_size, BT=64, ALIGN=L.align, NBUF=slots,
+        PRODUCER_REGS=producer_regs, RAGGED=not p.is_decode, DIRECT=L.direct, CONSUMER_REGS=consumer_regs,
+        HAS_SINKS=L.direct and p.sinks is not None,  # read only by a direct launch (no second compile otherwise)
+        num_warps=4, **({"maxnreg": maxnreg} if maxnreg else {}))
+    if not L.direct:
+        _reduce(L, None, sinks, p)
+    return p.out
+
+
+def gluon_layer(plan, query, key_cache, value_cache, key_scale, value_scale, *, sinks=None, out=None, **layer):
+    """One layer of ``plan`` (a ``pa_backend`` plan) on the Gluon kernel: (out, launch state); ValueError where
+    the kernel does not cover it (the shipped Triton kernel serves such layers)."""
+    p = check_layer(plan.batch, query=query, key_cache=key_cache, value_cache=value_cache, key_scale=key_scale,
+                    value_scale=value_scale, sinks=sinks, out=out, anchor="block_tables", **layer)
+    p.plan = plan
+    L = launch_state(p)
+    if not gluon_eligible(p, L):
+        raise ValueError("the Gluon kernel does not cover this layer (sm_90, D 128, 16-token pages, 4-D V, "
+                         "per-tensor scales, 64-row decode items with P > 1 or 128-row prefill items)")
+    return run_gluon(L, p), L
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The experiment: against the float64 reference, then timed against the shipped Triton kernel.
+
+DECODE_CASES = [(B, ctx) for B, ctx in ((1, 8192), (5, 4096), (64, 8192), (200, 200_000 // 16 * 16))]
+PREFILL_CASES = [([2048] * 4, [2048 + 4096] * 4), ([300, 129], [8192, 129])]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="The Gluon partition kernel against the reference and the shipped "
+                                             "Triton kernel (sm_90)")
+    ap.add_argument("--check-only", action="store_true", help="compare against the reference, no timing")
+    args = ap.parse_args(argv)
+    if not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)):
+        print("needs an sm_90 GPU")
+        return 2
+    os.environ["FLYDSL_BACKENDS_PA_PREFILL_M"] = str(GLUON_PREFILL_M)  # prefill items of 128 rows
+    from backend_core.timing import time_cuda_graph
+    from pa_backend import plan_decode, plan_prefill
+    from pa_backend.cases import make_pa_case
+    from pa_backend.tests.test_triton import rel_to_reference
+    from pa_backend.triton.tiling import prefill_tiling
+    from pa_backend.verify import tolerance
+
+    prefill_tiling.cache_clear()
+    names = ("query", "key_cache", "value_cache", "key_scale", "value_scale")
+    rc = 0
+    cases = [("decode", dict(context_lengths=[ctx] * B, query_length=4), B) for B, ctx in DECODE_CASES]
+    cases += [("prefill", dict(context_lengths=ctx, query_lengths=ql), len(ql)) for ql, ctx in PREFILL_CASES]
+    for kind, shape, B in cases:
+        params = dict(Hq=16, Hkv=1) if kind == "decode" else dict(Hq=32, Hkv=8)
+        case = make_pa_case(**shape, **params, D=128, block_size=16, device="cuda", seed=B)
+        kw = dict(case.kwargs)
+        if kind == "decode":
+            plan = plan_decode(kw["block_tables"], kw["context_lengths"], query_length=4, backend="triton")
+        else:
+            plan = plan_prefill(kw["block_tables"], kw["query_start_loc"], kw["context_lengths"],
+                                query_start_loc_host=kw["query_start_loc"].tolist(), backend="triton")
+        layer = [kw[k] for k in names]
+        out = torch.full_like(kw["query"], float("nan"))
+        try:
+            gluon_layer(plan, *layer, out=out)
+        except ValueError as exc:
+            print(f"{kind} B={B}: {exc}")
+            continue
+        err = rel_to_reference(case, out)
+        ok = bool(torch.isfinite(out).all()) and err <= tolerance(torch.device("cuda"))
+        rc |= 0 if ok else 1
+        line = f"{kind} B={B} {shape}: rel err {err:.2e} {'ok' if ok else 'FAILED'}"
+        if not args.check_only:
+            o2 = torch.empty_like(out)
+            tg = time_cuda_graph(lambda i: gluon_layer(plan, *layer, out=o2))
+            tt = time_cuda_graph(lambda i: plan.run(*layer, out=o2))
+            line += f"; gluon {tg.median_us:.1f} us, triton {tt.median_us:.1f} us ({tt.median_us / tg.median_us:.2f}x)"
+        print(line, flush=True)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -5,7 +5,7 @@ Decode: planner programs-per-SM x warps x stages x BT over DEFAULT_CONFIGS[SWEEP
 (SWEEP_PPS / SWEEP_WARPS / SWEEP_STAGES / SWEEP_BT, comma lists). Prefill (SWEEP_PREFILL=1):
 rows-per-item M x BT x warps x stages over PREFILL_CONFIGS[SWEEP_PREFILL_CONFIGS] (SWEEP_PM /
 SWEEP_PBT / SWEEP_PWARPS / SWEEP_PSTAGES). CUDA-graph replay of a plan, median; best six settings per configuration. The
-chosen defaults live in pa_backend/planner.py and pa_backend/triton/__init__.py.
+chosen defaults live in pa_backend/planner.py and pa_backend/triton/tiling.py.
 """
 
 import itertools
@@ -18,8 +18,8 @@ import torch
 sys.path.insert(0, os.getcwd())
 from backend_core.timing import copy_bandwidth_gbps, time_cuda_graph  # noqa: E402
 from pa_backend import plan_decode, plan_prefill  # noqa: E402
-from pa_backend import triton as ptriton  # noqa: E402
 from pa_backend.benchmark import DEFAULT_CONFIGS, PREFILL_CONFIGS, TABLE_TOKENS, bench_case, kv_bytes  # noqa: E402
+from pa_backend.triton import tiling as ptriton  # noqa: E402
 
 budget = float(sys.argv[1]) if len(sys.argv) > 1 else 1e9
 t0 = time.time()

@@ -8,12 +8,13 @@ runs it in float64.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 
-from .contract import KDAProblem
+if TYPE_CHECKING:  # annotations only (the contract imports the registry, which imports this)
+    from .contract import KDAProblem
 
 __all__ = ["run_reference", "kda_step_math", "kda_gate", "gated_rmsnorm"]
 

@@ -68,7 +68,7 @@ def long_decode(steps: int, B: int, Hq: int, Hkv: int, D: int, block_size: int, 
             vs = torch.full((NB, Hkv, block_size), float("nan"), device=device)
         return kc, vc, ks, vs
 
-    from .api import WRITE
+    from .registry import WRITE
 
     writer = impl if impl in WRITE.names() else "auto"  # flydsl has no writer: what auto picks on the device
     test, twin = caches(), caches()
@@ -134,7 +134,7 @@ def run_accuracy(impls: Sequence[str], device: torch.device, steps: int, small: 
     what ``auto`` picks where the op has none of that name (flydsl)."""
     from backend_core.ops import accuracy_rows
 
-    from .api import DECODE
+    from .registry import DECODE
 
     def run_one(impl, params, tick):
         if impl not in DECODE.names():

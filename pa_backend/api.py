@@ -13,72 +13,19 @@ from typing import Optional
 
 import torch
 
-from backend_core.registry import Implementation, OpRegistry
+from .contract import eager_plan, prepare_write
+from .registry import DECODE, PREFILL, REGISTRIES, REGISTRY, WRITE, registry_for
 
-from . import flydsl as _flydsl
-from . import triton as _triton
-from .contract import WriteProblem, prepare_attention, prepare_write
-from .reference import run_attention, run_write
-
+# the registries (registry.py) are re-exported for the callers that name them here
 __all__ = ["pa_decode", "write_kv", "pa_prefill", "is_pa_decode_supported", "REGISTRY", "REGISTRIES", "DECODE",
            "PREFILL", "WRITE", "registry_for"]
-
-
-def _run_torch(p):
-    if isinstance(p, WriteProblem):
-        return run_write(p)
-    return run_attention(p)
-
-
-def _torch_impl(what: str) -> Implementation:
-    return Implementation("torch", lambda: (True, f"always (reference: {what})"), lambda p: (True, "ok"), _run_torch,
-                          "reference")
-
-
-_TORCH = _torch_impl("gather, dequantize, FP32 softmax")
-_TORCH_WRITE = _torch_impl("FP8 quantize, scatter into the pages")
-_TRITON = Implementation("triton", _triton.available, _triton.supports, _triton.run,
-                         "Triton kernels (split-K partitions + reduce; write_kv)")
-_FLYDSL = Implementation("flydsl", _flydsl.available, _flydsl.supports, _flydsl.run,
-                         "AITER's FlyDSL paged decode (AMD gfx950/gfx942), discovered at run time", bind=_flydsl.bind)
-
-
-def _registry(op: str, impls) -> OpRegistry:
-    """One registry per op, each with its own coverage; one variable (FLYDSL_BACKENDS_PA) forces all
-    three, and a name one op lacks (flydsl for prefill and write) means auto for that op."""
-    names = [i.name for i in impls]
-    reg = OpRegistry(op, env_var="FLYDSL_BACKENDS_PA",
-                     preference={"cuda": tuple(n for n in ("flydsl", "triton", "torch") if n in names),
-                                 "cpu": tuple(n for n in ("torch", "triton") if n in names)},
-                     also_known=("torch", "triton", "flydsl"))
-    for impl in impls:
-        reg.register(impl)
-    return reg
-
-
-DECODE = _registry("pa_decode", (_TORCH, _TRITON, _FLYDSL))
-PREFILL = _registry("pa_prefill", (_TORCH, _TRITON))  # no FlyDSL prefill kernel (Triton serves it on AMD)
-WRITE = _registry("write_kv", (_TORCH_WRITE, _TRITON))  # no FlyDSL write kernel
-REGISTRIES = {"pa_decode": DECODE, "pa_prefill": PREFILL, "write_kv": WRITE}
-REGISTRY = DECODE  # the decode op's registry (``pa_backend.REGISTRY``)
-
-
-def registry_for(p) -> OpRegistry:
-    """The registry of the op a checked problem belongs to."""
-    if isinstance(p, WriteProblem):
-        return WRITE
-    return DECODE if p.is_decode else PREFILL
-
-
-def _dispatch(p, backend: str):
-    return registry_for(p).select(p, backend, device_type=p.device.type, site_depth=2).run(p)
 
 
 def pa_decode(query, key_cache, value_cache, block_tables, context_lengths, key_scale, value_scale, *,
               query_length: int = 1, softmax_scale: Optional[float] = None, sliding_window: int = 0, sinks=None,
               num_partitions: Optional[int] = None, out: Optional[torch.Tensor] = None,
               backend: str = "auto") -> torch.Tensor:
-    """Paged attention decode over an FP8 KV cache.
+    """Paged attention decode over an FP8 KV cache: a one-layer plan (``plan_decode(...).run(...)``).
 
     * ``query`` [num_seqs * query_length, Hq, D] bf16/fp16 (rows of sequence s are
       ``s*query_length .. s*query_length + query_length - 1``); ``out`` the same shape and dtype,
@@ -101,11 +48,9 @@ def pa_decode(query, key_cache, value_cache, block_tables, context_lengths, key_
     * ``softmax_scale`` defaults to D**-0.5 (else a normal fp32 number). ``num_partitions`` (split-K) is a
       kernel hint, at most 256 of them are used; None lets the planner choose.
     """
-    p = prepare_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                          context_lengths=context_lengths, key_scale=key_scale, value_scale=value_scale,
-                          query_length=query_length, softmax_scale=softmax_scale, sliding_window=sliding_window,
-                          sinks=sinks, num_partitions=num_partitions, out=out)
-    return _dispatch(p, backend)
+    plan = eager_plan(query, block_tables, context_lengths, query_length=query_length, backend=backend)
+    return plan.run(query, key_cache, value_cache, key_scale, value_scale, softmax_scale=softmax_scale,
+                    sliding_window=sliding_window, sinks=sinks, num_partitions=num_partitions, out=out)
 
 
 def pa_prefill(query, key_cache, value_cache, block_tables, query_start_loc, context_lengths, key_scale, value_scale,
@@ -118,11 +63,10 @@ def pa_prefill(query, key_cache, value_cache, block_tables, query_start_loc, con
     ql rows attends tokens 0 .. context_lengths[s] - ql + i. Rows outside every sequence are zero.
     Everything else is as in :func:`pa_decode`.
     """
-    p = prepare_attention(query=query, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                          context_lengths=context_lengths, key_scale=key_scale, value_scale=value_scale,
-                          query_start_loc=query_start_loc, softmax_scale=softmax_scale, sliding_window=sliding_window,
-                          sinks=sinks, out=out, prefill=True)
-    return _dispatch(p, backend)
+    plan = eager_plan(query, block_tables, context_lengths, query_start_loc=query_start_loc, prefill=True,
+                      backend=backend)
+    return plan.run(query, key_cache, value_cache, key_scale, value_scale, softmax_scale=softmax_scale,
+                    sliding_window=sliding_window, sinks=sinks, out=out)
 
 
 def write_kv(key, value, key_cache, value_cache, slot_mapping, key_scale, value_scale, *,
@@ -139,9 +83,7 @@ def write_kv(key, value, key_cache, value_cache, slot_mapping, key_scale, value_
     """
     p = prepare_write(key=key, value=value, key_cache=key_cache, value_cache=value_cache, slot_mapping=slot_mapping,
                       key_scale=key_scale, value_scale=value_scale)
-    _dispatch(p, backend)
-
-
+    WRITE.select(p, backend, device_type=p.device.type, site_depth=1).run(p)
 
 
 def is_pa_decode_supported(device=None, backend: str = "flydsl") -> bool:

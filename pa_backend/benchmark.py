@@ -284,7 +284,7 @@ def null_kernels():
     calls that reached it per op (a check that the timed path really dispatched)."""
     from backend_core.registry import Implementation
 
-    from .api import REGISTRIES
+    from .registry import REGISTRIES
 
     calls: Dict[str, int] = {}
 

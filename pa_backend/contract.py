@@ -1,15 +1,35 @@
-"""The FP8 paged-attention contract (docs/design.md §4): validation and the normalized problems.
+"""The FP8 paged-attention contract and plan (docs/design.md §4): validation, the normalized problems, and
+``PAPlan``, the one execution path of ``pa_decode`` / ``pa_prefill``.
 
 One KV layout everywhere: key_cache [num_blocks, Hkv, D/16, block_size, 16] (16 FP8 bytes per
 chunk), value_cache [num_blocks, Hkv, D, block_size] or [num_blocks, Hkv, block_size/16, D, 16].
 Validation reads no tensor data (no host sync); nothing is written before it passes.
+
+Plan once per batch, run per layer (FlashInfer's plan/run split). A server's forward step runs the same paged
+attention batch through every layer: the block tables, context lengths and query layout are the batch's, only
+the query, the layer's caches and its scalars change. ``plan_decode`` / ``plan_prefill`` check the batch once
+(``check_batch``), from what the framework already holds on the host (query offsets, an upper bound on the
+context), and ``PAPlan.run`` does the per-layer part: cheap shape checks (``check_layer``, memoized per
+cache), the implementation chosen once per layer shape, and the launch state (split-K plan, prefill work
+items on the device, workspace views) made once per plan. No host sync per layer. The eager ops
+``pa_decode`` / ``pa_prefill`` (``api.py``) are a one-layer plan each (``eager_plan``).
+
+    plan = plan_decode(block_tables, context_lengths, query_length=1, max_context=None)
+    for layer in layers:
+        plan.run(q, key_cache, value_cache, key_scale, value_scale, softmax_scale=..., out=o)
+
+CUDA graphs: a decode plan is shape-only (its grid depends on the batch size and the table width,
+or on ``max_context`` when given); capture one and refill its ``block_tables`` /
+``context_lengths`` buffers in place before each replay: the kernels read the lengths on the
+device and split each sequence's real context. A prefill plan's work items are fixed by the query
+offsets it was made with, so a captured prefill replays only the same query layout.
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,6 +52,7 @@ from backend_core.validation import (
 )
 
 from .fp8 import FP8_DTYPES
+from .registry import registry_for
 
 # the longest sequence a block table may describe: the kernels keep token positions in int32, and a
 # context, a window and a partition's length added together must not pass 2^31
@@ -39,8 +60,8 @@ MAX_TABLE_TOKENS = 1 << 30
 # softmax_scale's range: a normal fp32 number (the kernels scale the logits in fp32)
 FP32_MIN_NORMAL, FP32_MAX = 2.0 ** -126, float.fromhex("0x1.fffffep+127")
 
-__all__ = ["PAProblem", "PABatch", "WriteProblem", "check_batch", "check_layer", "prepare_attention", "prepare_write",
-           "BLOCK_SIZES", "HEAD_DIMS"]
+__all__ = ["PAProblem", "PABatch", "WriteProblem", "PAPlan", "plan_decode", "plan_prefill", "eager_plan", "check_batch",
+           "check_layer", "prepare_attention", "prepare_write", "BLOCK_SIZES", "HEAD_DIMS"]
 
 ACT_DTYPES = (torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32,)
@@ -381,18 +402,27 @@ def _check_layer(batch: PABatch, *, query, key_cache, value_cache, key_scale, va
                      num_partitions=num_partitions, out=out)
 
 
+def _query_batch(query, *, block_tables, context_lengths, query_length, query_start_loc, query_start_loc_host,
+                 prefill: bool) -> Tuple[torch.Tensor, PABatch]:
+    """An eager call's query and batch, anchored at the query's device (the query is checked first)."""
+    device = require_tensor(query, "query").device
+    query = checked_tensor(query, "query", device, ACT_DTYPES)
+    require_data(query, "query")
+    return query, check_batch(block_tables=block_tables, context_lengths=context_lengths, query_length=query_length,
+                              query_start_loc=query_start_loc, query_start_loc_host=query_start_loc_host,
+                              prefill=prefill, device=device, anchor="query")
+
+
 def prepare_attention(*, query, key_cache, value_cache, block_tables, context_lengths, key_scale, value_scale,
                       query_length=1, query_start_loc=None, softmax_scale=None, sliding_window=0, sinks=None,
                       num_partitions=None, out=None, prefill: bool = False,
                       query_start_loc_host: Optional[Sequence[int]] = None) -> PAProblem:
     """Validate a whole pa_decode (``prefill=False``) or pa_prefill call: ``check_batch`` then
-    ``check_layer``, anchored at the query's device. Nothing is written."""
-    device = require_tensor(query, "query").device
-    query = checked_tensor(query, "query", device, ACT_DTYPES)
-    require_data(query, "query")
-    batch = check_batch(block_tables=block_tables, context_lengths=context_lengths, query_length=query_length,
-                        query_start_loc=query_start_loc, query_start_loc_host=query_start_loc_host, prefill=prefill,
-                        device=device, anchor="query")
+    ``check_layer``, anchored at the query's device. Nothing is written. (The reference and the coverage
+    checks take the problem as is; the eager ops run the same checks through ``eager_plan``.)"""
+    query, batch = _query_batch(query, block_tables=block_tables, context_lengths=context_lengths,
+                                query_length=query_length, query_start_loc=query_start_loc,
+                                query_start_loc_host=query_start_loc_host, prefill=prefill)
     return check_layer(batch, query=query, key_cache=key_cache, value_cache=value_cache, key_scale=key_scale,
                        value_scale=value_scale, softmax_scale=softmax_scale, sliding_window=sliding_window, sinks=sinks,
                        num_partitions=num_partitions, out=out)
@@ -469,3 +499,118 @@ def _prepare_write(*, key, value, key_cache, value_cache, slot_mapping, key_scal
         [("key", key), ("value", value), ("slot_mapping", slot_mapping),
          ("key_scale", None if cache.k_per_token else ks), ("value_scale", None if cache.v_per_token else vs)])
     return WriteProblem(key=key, value=value, cache=cache, slot_mapping=slot_mapping)
+
+
+# -- the plan: checked once per batch, run per layer ------------------------------------------------------------
+
+class PAPlan:
+    """A checked batch plus the per-batch state implementations keep (``state``)."""
+
+    def __init__(self, batch: PABatch, *, max_context: Optional[int] = None, backend: str = "auto",
+                 anchor: str = "block_tables", site_depth: int = 1):
+        """``anchor``: the argument whose device the layer's tensors must share (an eager call's: the query);
+        ``site_depth``: frames between the user's call and ``run`` (for the once-per-call-site log line)."""
+        if max_context is not None and (isinstance(max_context, bool) or not isinstance(max_context, int)
+                                        or max_context < 0):
+            raise ValueError(f"max_context: expected None or an int >= 0, got {max_context!r}")
+        self.batch = batch
+        batch.memo_key()  # the batch tensors' layout as planned (run refuses a batch resized since)
+        self.max_context = max_context  # an upper bound on every context (None: the table width)
+        if not isinstance(backend, str):
+            raise TypeError(f"backend: expected a str ('auto' or an implementation name), got {type(backend).__name__}")
+        self.backend = backend
+        self.state: dict = {}  # implementation launch state, keyed by the implementation and layer shape
+        self._impls: dict = {}  # layer signature -> Implementation (chosen once)
+        self._registry = registry_for(batch)  # the op (decode or prefill), told from the batch once
+        self._anchor = anchor
+        self._site_depth = site_depth
+
+    @property
+    def device(self) -> torch.device:
+        return self.batch.device
+
+    @property
+    def num_seqs(self) -> int:
+        return self.batch.num_seqs
+
+    @property
+    def is_decode(self) -> bool:
+        return self.batch.is_decode
+
+    def run(self, query, key_cache, value_cache, key_scale, value_scale, *, softmax_scale: Optional[float] = None,
+            sliding_window: int = 0, sinks=None, num_partitions: Optional[int] = None,
+            out: Optional[torch.Tensor] = None, backend: Optional[str] = None,
+            before_launch: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """One layer's attention over the planned batch. Arguments as in :func:`pa_decode` /
+        :func:`pa_prefill` (``query`` [T, Hq, D]; ``out`` filled in place and returned).
+        ``backend`` overrides the plan's choice (an adapter's per-layer setting). ``before_launch()``
+        runs once every argument is checked, before any kernel: an adapter's write of the step's new
+        K/V there leaves the caches untouched when the call is refused."""
+        # checked before anything else: a falsy or unhashable override must not fall back to the plan's choice
+        # or fail inside the memo below with an unrelated error
+        chosen = self.backend if backend is None else backend
+        if not isinstance(chosen, str):
+            raise TypeError(f"backend: expected None or a str ('auto' or an implementation name), got "
+                            f"{type(backend).__name__}")
+        if before_launch is not None and not callable(before_launch):
+            raise TypeError(f"before_launch: expected None or a callable, got {type(before_launch).__name__}")
+        b = self.batch
+        if (arg_key(b.block_tables), arg_key(b.context_lengths), arg_key(b.query_start_loc)) != b.memo_key()[:3]:
+            # resized or re-strided in place since the plan was made (refilling their values is fine)
+            raise ValueError("block_tables / context_lengths / query_start_loc: changed shape, strides or storage "
+                             "since the plan was made; make a new plan for this batch")
+        p = check_layer(self.batch, query=query, key_cache=key_cache, value_cache=value_cache, key_scale=key_scale,
+                        value_scale=value_scale, softmax_scale=softmax_scale, sliding_window=sliding_window,
+                        sinks=sinks, num_partitions=num_partitions, out=out, anchor=self._anchor)
+        p.plan = self
+        # everything an implementation's coverage check may read but the addresses (the layers of a step share
+        # one choice; check_layer keeps it with its memo): shapes, dtypes, strides, alignment, scale, window
+        # (FlyDSL's AITER kernel takes contiguous caches and no softmax_scale: a layer with interleaved K/V
+        # pages or another scale must be chosen for anew)
+        sig = (p.layer_key, chosen)
+        impl = self._impls.get(sig)
+        if impl is None:
+            impl = self._impls[sig] = self._registry.select(p, chosen, device_type=p.device.type,
+                                                            site_depth=self._site_depth)
+        if before_launch is not None:
+            before_launch()
+        return impl.run(p)
+
+
+def plan_decode(block_tables, context_lengths, *, query_length: int = 1, max_context: Optional[int] = None,
+                backend: str = "auto") -> PAPlan:
+    """Plan a decode batch: ``block_tables`` [num_seqs, max_blocks] int32, ``context_lengths``
+    [num_seqs] int32 (new tokens included; read on the device at run time, so the buffers may be
+    refilled between runs), ``query_length`` rows per sequence (1..4). ``max_context``: an upper
+    bound on every context the plan will run with (None: the table width; CUDA graphs should
+    leave it None or give the largest context they will replay)."""
+    return PAPlan(check_batch(block_tables=block_tables, context_lengths=context_lengths, query_length=query_length),
+                  max_context=max_context, backend=backend)
+
+
+def plan_prefill(block_tables, query_start_loc, context_lengths, *,
+                 query_start_loc_host: Optional[Sequence[int]] = None,
+                 max_context: Optional[int] = None, backend: str = "auto") -> PAPlan:
+    """Plan a ragged batch (extend, chunked prefill, mixed): ``query_start_loc`` [num_seqs + 1]
+    int32 on the device and, to avoid a host sync, its values on the host
+    (``query_start_loc_host``: a list or CPU tensor; checked non-decreasing from >= 0). The work
+    items (chunks of query rows) are made from them once, on the first run."""
+    if isinstance(query_start_loc_host, torch.Tensor):
+        if query_start_loc_host.device.type != "cpu":
+            raise ValueError("query_start_loc_host: expected host values (a list or a CPU tensor), got a tensor on "
+                             f"{query_start_loc_host.device}")
+        query_start_loc_host = query_start_loc_host.tolist()
+    return PAPlan(check_batch(block_tables=block_tables, context_lengths=context_lengths,
+                              query_start_loc=query_start_loc, query_start_loc_host=query_start_loc_host, prefill=True),
+                  max_context=max_context, backend=backend)
+
+
+def eager_plan(query, block_tables, context_lengths, *, query_length: int = 1, query_start_loc=None,
+               prefill: bool = False, backend: str = "auto") -> PAPlan:
+    """The one-layer plan of an eager ``pa_decode`` / ``pa_prefill`` call: the query checked first and the batch
+    anchored at its device (the errors of ``prepare_attention``); prefill reads ``query_start_loc`` once on the
+    host."""
+    _, batch = _query_batch(query, block_tables=block_tables, context_lengths=context_lengths,
+                            query_length=query_length, query_start_loc=query_start_loc, query_start_loc_host=None,
+                            prefill=prefill)
+    return PAPlan(batch, backend=backend, anchor="query", site_depth=2)

@@ -34,7 +34,7 @@ __all__ = ["Split", "plan_partitions", "work_rows", "workspace", "task_queue", "
 # than LONG_PARTITION_TOKENS are made only while there are fewer than ``few_per_sm`` programs per
 # SM, and none is shorter than MIN_PARTITION_TOKENS except under the small-work split
 # (SHORT_TASKS_PER_SM below). The two targets follow the kernel's program
-# size (an implementation passes its own, e.g. pa_backend.triton.split_policy); these defaults are
+# size (an implementation passes its own, e.g. pa_backend.triton.tiling.split_policy); these defaults are
 # the 4-warp Triton program's: 16 programs/SM beat 8 on long contexts (more waves, smaller tail), while
 # 512-token partitions lost to 1024-token ones at 8k contexts (docs/performance.md).
 PROGRAMS_PER_SM = 16

@@ -12,10 +12,14 @@ becomes a graph node that keeps every written key alive, and a scale that requir
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from .contract import KVCache, PAProblem, WriteProblem
 from .fp8 import fp8_max, fp8_nan_byte
+
+if TYPE_CHECKING:  # annotations only (the contract imports the registries, which import this)
+    from .contract import KVCache, PAProblem, WriteProblem
 
 __all__ = ["dequantize_tokens", "run_attention", "run_write", "attend_rows"]
 

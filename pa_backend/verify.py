@@ -57,7 +57,7 @@ def run_verify(impls: Sequence[str], device: torch.device, small: bool, progress
         ref_out = torch.empty(kw["query"].shape, dtype=torch.float64, device=device)
         p = prepare_attention(**kw, prefill=case.prefill)
         run_attention(dataclasses.replace(p, out=ref_out), compute_dtype=torch.float64)
-        from .api import registry_for
+        from .registry import registry_for
 
         reg = registry_for(p)
         for impl in impls:

@@ -206,7 +206,7 @@ def test_bench_checks_impl_names_and_host_flags(capsys):
                                         # the Triton tuning variables: a bad value was a FAIL row of verify
                                         ("FLYDSL_BACKENDS_KDA_TRITON_BV", "abc"),
                                         ("FLYDSL_BACKENDS_PA_TRITON_BT", "-1"),
-                                        ("FLYDSL_BACKENDS_PA_FP8_QK", "2"), ("FLYDSL_BACKENDS_PA_GLUON", "maybe")])
+                                        ("FLYDSL_BACKENDS_PA_FP8_QK", "2")])
 def test_malformed_environment_is_one_error_line(var, value):
     """``info`` (and every command) reports a misspelled setting as one line, exit 2, instead of passing and
     leaving the error to a server's first call (or, for FLYDSL_BACKENDS_TRITON_DIRECT, a traceback)."""

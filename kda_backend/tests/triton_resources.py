@@ -20,7 +20,7 @@ SHIPPED_CONFIGS = [(dt, fb, bv, 4) for dt in ("fp32", "bf16")
                    for fb, bvs in ((False, (16, 32, 64, 128)), (True, (128,)))
                    for bv in bvs]
 
-UNIT_STRIDES = ("stride_cs_c", "stride_cw_w", "stride_b_h", "stride_idx")
+UNIT_STRIDES = ("stride_cs_c", "stride_cw_w", "stride_b_h", "stride_state_indices")
 FP32_POINTERS = ("p_cw", "p_cb", "p_A_log", "p_dt_bias", "p_ows")
 
 
@@ -45,7 +45,7 @@ def _spec(state_dtype, with_f_b, BV, K, H, W):
     for n in inspect.signature(kda_decode_kernel.fn).parameters:
         if n == "p_state":
             types[n] = "*fp32" if state_dtype == "fp32" else "*bf16"
-        elif n in ("p_idx", "p_cnt"):
+        elif n in ("p_state_indices", "p_cnt"):
             types[n] = "*i32"
         elif n.startswith("p_"):
             types[n] = "*fp32" if n in FP32_POINTERS else "*bf16"

@@ -8,7 +8,7 @@ never needs Triton.
 from __future__ import annotations
 
 import functools
-from typing import Tuple
+from typing import TYPE_CHECKING, Tuple
 
 import torch
 
@@ -17,7 +17,8 @@ from backend_core.buffers import DeviceBuffers
 from backend_core.launch import launch
 from backend_core.validation import env_positive_int
 
-from ..contract import KDAProblem
+if TYPE_CHECKING:  # annotations only (the contract imports the registry, which imports this)
+    from ..contract import KDAProblem
 
 __all__ = ["available", "supports", "run", "launch_config"]
 

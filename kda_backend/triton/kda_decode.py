@@ -86,13 +86,13 @@ def _conv_shift(p_cs_slot, o_c, b_x, b_s1, b_s2, live, stride_cs_c, stride_cs_w,
 
 @triton.jit
 def kda_decode_kernel(
-    p_x, p_cw, p_cb, p_cs, p_a, p_fa, p_fbw, p_b, p_A_log, p_dt_bias, p_state, p_idx, p_gate, p_nw, p_out,
+    p_x, p_cw, p_cb, p_cs, p_a, p_fa, p_fbw, p_b, p_A_log, p_dt_bias, p_state, p_state_indices, p_gate, p_nw, p_out,
     p_cnt, p_ows,
     num_slots, scale, lower_bound, norm_eps,
     stride_x_n, stride_cw_c, stride_cw_w,
     stride_cs_slot, stride_cs_c, stride_cs_w,
     stride_a_n, stride_fa_n, stride_fbw_h, stride_fbw_k,
-    stride_b_n, stride_b_h, stride_s_slot, stride_idx,
+    stride_b_n, stride_b_h, stride_s_slot, stride_state_indices,
     stride_g_n, stride_g_h, stride_o_n, stride_o_h,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, W: tl.constexpr,
     R: tl.constexpr, BR: tl.constexpr, RC: tl.constexpr,
@@ -107,7 +107,7 @@ def kda_decode_kernel(
     o_k = tl.arange(0, K)
     o_v = i_v * BV + tl.arange(0, BV)
 
-    s = tl.load(p_idx + i_n * stride_idx).to(tl.int64)
+    s = tl.load(p_state_indices + i_n * stride_state_indices).to(tl.int64)
     live = (s >= 0) & (s < num_slots)
     s = tl.where(live, s, 0)
 

@@ -412,14 +412,14 @@ def test_later_layers_launch_bound_with_their_own_tensors_interpreter(kind, monk
     """The plan's bound-launch wiring on the interpreter: ``bind`` replaced by a stand-in that keeps the first
     call's arguments (tensors included) and puts in only the tensors at the positions the implementation says
     vary; a position missing from them would run a later layer on the first layer's tensors."""
-    import pa_backend.triton as T
+    from pa_backend.triton import pa_decode_launch
 
     if not REGISTRY.get("triton").is_available()[0]:
         pytest.skip("triton not usable here")
     from backend_core.tests.testing import kept_args_binder
 
     taken = []
-    monkeypatch.setattr(T, "bind", kept_args_binder(taken))
+    monkeypatch.setattr(pa_decode_launch, "bind", kept_args_binder(taken))
     _layers_through_one_plan(kind, taken)
 
 

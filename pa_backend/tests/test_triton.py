@@ -44,12 +44,12 @@ def test_decode_grid(v_layout, scales, ql, gqa):
 
 
 def _launches(monkeypatch, **forced):
-    """Every Triton launch state (``_Launch``) made while ``monkeypatch`` holds, with the ``forced`` attributes
+    """Every Triton launch state (``Launch``) made while ``monkeypatch`` holds, with the ``forced`` attributes
     set after its own init (launch facts the interpreter's device lacks, e.g. NVIDIA's SM count)."""
-    import pa_backend.triton as T
+    from pa_backend.triton.launch_state import Launch
 
     made = []
-    init = T._Launch.__init__
+    init = Launch.__init__
 
     def forcing(self, *args, **kwargs):
         init(self, *args, **kwargs)
@@ -57,7 +57,7 @@ def _launches(monkeypatch, **forced):
             setattr(self, name, value)
         made.append(self)
 
-    monkeypatch.setattr(T._Launch, "__init__", forcing)
+    monkeypatch.setattr(Launch, "__init__", forcing)
     return made
 
 
@@ -72,10 +72,10 @@ def test_nvidia_v_clear_on_the_interpreter(params, monkeypatch):
     runs as a GPU does (backend_core.interpreter.faithful_maxnum): forced on here (its per-SM queue counters
     off: the interpreter has no %smid), against the reference with NaN in every unused slot. Deleting that
     clear, or the interpreter's NaN-propagating maxNum, fails these."""
-    import pa_backend.triton as T
+    from pa_backend.triton import launch_state, tiling
 
-    monkeypatch.setattr(T, "_v_maxnum", lambda device: True)
-    monkeypatch.setattr(T, "QUEUE_SM_SLOTS", 0)
+    monkeypatch.setattr(tiling, "v_maxnum", lambda device: True)
+    monkeypatch.setattr(launch_state, "QUEUE_SM_SLOTS", 0)
     made = _launches(monkeypatch)
     check(params, seed=5)
     assert made and all(L.v_maxnum for L in made)
@@ -233,9 +233,9 @@ def test_write_kv_kept_launches_follow_their_arguments(monkeypatch):
     call again uses the kept launch (slot values refilled in place are read on the device), a call with any
     other tensor (key, value, slots, caches and their scales) makes its own. On the interpreter, with a
     stand-in of ``bind`` that keeps the first call's tensors: the bytes still equal the reference writer's."""
-    import pa_backend.triton as T
     from backend_core.tests.testing import kept_args_binder
     from pa_backend import write_kv
+    from pa_backend.triton import write_kv_launch as T
 
     taken = []
     monkeypatch.setattr(T, "bind", kept_args_binder(taken))
@@ -325,7 +325,7 @@ def test_reserve_covers_every_launch_of_the_triton_split(G, ql, D, bs):
     the reservation, one-warp programs' split targets included."""
     from backend_core.buffers import indexed
     from pa_backend import planner
-    from pa_backend.triton import decode_tiling, split_policy
+    from pa_backend.triton.tiling import decode_tiling, split_policy
 
     sms, max_ctx, Hkv = 132, 1 << 17, 2
     planner._WS.buffers.pop(indexed(DEVICE), None)
@@ -379,7 +379,7 @@ def test_cache_over_2gib_uses_64bit_offsets():
 def _queue_case():
     # GQA 4 x query length 1 = 16 rows at D 64, page 16: a one-warp decode program (the task queue)
     params = dict(context_lengths=[40, 1, 333, 97, 0, 260], Hq=8, Hkv=2, D=64)
-    from pa_backend.triton import decode_tiling
+    from pa_backend.triton.tiling import decode_tiling
 
     assert decode_tiling(64, 16, 16)[1] == 1
     return params
@@ -409,8 +409,8 @@ def test_task_queue_per_sm_counters_on_the_interpreter(monkeypatch):
     import triton.language as tl
     from triton.runtime import interpreter
 
-    import pa_backend.triton as T
     from pa_backend.planner import task_queue
+    from pa_backend.triton import tiling
 
     smids = []
 
@@ -423,7 +423,7 @@ def test_task_queue_per_sm_counters_on_the_interpreter(monkeypatch):
         return SimpleNamespace(get_result=lambda i: handle)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_inline_asm", fake_smid)
-    monkeypatch.setattr(T, "_v_maxnum", lambda device: True)
+    monkeypatch.setattr(tiling, "v_maxnum", lambda device: True)
     _launches(monkeypatch, sms=132, sm_slots=256)
     params = _queue_case()
     first = check(params)
@@ -595,7 +595,7 @@ def test_fp8_qk_needs_16_byte_aligned_caches(monkeypatch):
 
 def test_fp8_qk_switch(monkeypatch):
     """Off for one-warp M = 16 programs and off the GPU by default; the override is validated."""
-    from pa_backend import triton as pt
+    from pa_backend.triton import tiling as pt
 
     cache = make_pa_case(**FP8_QK_CASES[0], device=DEVICE, seed=0).kwargs
     holder = type("Cache", (), {"key_cache": cache["key_cache"]})()
@@ -641,7 +641,7 @@ def test_fp16_queries_keep_fp16_dots(monkeypatch, params):
 def test_amd_tilings_match_reference(monkeypatch, kind, D):
     """The tilings the launcher picks on AMD GPUs (``amd=True``: no scratch on gfx942 / gfx950; never run on
     AMD hardware here) compute the same attention: run here through the tuning overrides."""
-    from pa_backend import triton as pt
+    from pa_backend.triton import tiling as pt
 
     if kind == "prefill":
         tiling = pt.prefill_tiling(D, 4, 16, amd=True)

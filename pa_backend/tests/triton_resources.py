@@ -10,7 +10,7 @@ from typing import Dict, Optional
 from backend_core.tests.aot import amdgcn_report as _amdgcn_report
 from backend_core.tests.aot import ptxas_report as _ptxas_report
 
-__all__ = ["ptxas_report", "gluon_ptxas_report", "amdgcn_report", "SHIPPED_CONFIGS", "SPILL_ALLOWED",
+__all__ = ["ptxas_report", "amdgcn_report", "SHIPPED_CONFIGS", "SPILL_ALLOWED",
            "AMD_SCRATCH_ALLOWED"]
 
 # (D, block_size, G * query_length rows, V 5-D, per-token scales) covering the issue's shapes
@@ -75,7 +75,7 @@ def _arg_types(fn, cache_type: str = "*fp8e4nv") -> Dict[str, str]:
     for n in inspect.signature(fn.fn).parameters:
         if n in ("p_kc", "p_vc"):
             types[n] = cache_type
-        elif n in ("p_bt", "p_cl", "p_slots", "p_chunks", "p_queue"):
+        elif n in ("p_block_tables", "p_cl", "p_slots", "p_chunks", "p_queue"):
             types[n] = "*i32"
         elif n in ("p_q", "p_out", "p_k", "p_v"):
             types[n] = "*bf16"
@@ -103,7 +103,7 @@ def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks
     maxnreg = None
     if kernel == "partition":
         from pa_backend.planner import work_rows
-        from pa_backend.triton import decode_tiling, prefill_tiling
+        from pa_backend.triton.tiling import decode_tiling, prefill_tiling
 
         if ragged:  # prefill: GQA 4, the shipped prefill tiling (M None: its rows)
             G = 4
@@ -119,13 +119,13 @@ def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks
                           QUEUE=(warps == 1 and not ragged and not direct) if queue is None else queue,
                           SM_SLOTS=0 if amd else 256, DIRECT=direct, HAS_SINKS=sinks,
                           QK8=BM >= 64 and amd is None)  # what fp8_qk picks on sm_90 with e4m3fn caches
-        from pa_backend.triton import register_cap
+        from pa_backend.triton.tiling import register_cap
 
         maxnreg = register_cap(warps, constexprs["QUEUE"], not ragged) if amd is None else None
     elif kernel == "write":
         import torch
 
-        from pa_backend.triton import fp8_write_constants
+        from pa_backend.triton.write_kv_launch import fp8_write_constants
 
         fp8 = torch.float8_e4m3fnuz if amd == "gfx942" else torch.float8_e4m3fn  # the cache format _run_write sees
         constexprs = dict(D=D, BS=block_size, **fp8_write_constants(fp8), V5D=v5d, K_PER_TOKEN=per_token,
@@ -133,7 +133,7 @@ def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks
         warps = 1 if D <= 128 else 2
         stages = 3
     else:
-        from pa_backend.triton import reduce_unroll, reduce_warps
+        from pa_backend.triton.tiling import reduce_unroll, reduce_warps
 
         BM = M
         constexprs = dict(HKV=1, G=M, QL=1, BM=BM, D=D, ALIGN=64, HAS_SINKS=True, RAGGED=ragged, QUEUE=True,
@@ -146,22 +146,3 @@ def _spec(D, block_size, M, v5d, per_token, kernel, ragged, queue, direct, sinks
         constexprs["stride_vc_3"] = 1
     divisible = [n for n in types if n.startswith(("p_", "stride_"))]
     return fn, types, constexprs, divisible, warps, stages, maxnreg
-
-
-def gluon_ptxas_report(slots: int, producer_regs: int, maxnreg: int, block_size: int = 16, rows: int = 64,
-                       consumer_regs: int = 200, direct: bool = False) -> Dict[str, int]:
-    """ptxas' numbers (sm_90) of the Gluon partition kernel (gluon_decode.py) as the launcher builds it: for the
-    GQA 16 x 4-row decode (``rows`` 64), or for prefill chunks of 32 rows x GQA 4 (``rows`` 128: two consumer
-    warpgroups; ``direct``: one partition per chunk, the output written by the kernel, with sinks)."""
-    from pa_backend.triton.gluon_decode import gluon_partition_kernel
-
-    types = _arg_types(gluon_partition_kernel)
-    ce = dict(HKV=1, G=16, QL=4, BM=64, D=128, BS=block_size, BT=64, ALIGN=max(64, block_size), NBUF=slots,
-              PRODUCER_REGS=producer_regs, RAGGED=False, DIRECT=direct, CONSUMER_REGS=consumer_regs,
-              HAS_SINKS=direct)
-    if rows == 128:
-        ce.update(HKV=8, G=4, QL=32, BM=128, RAGGED=True)
-    elif rows != 64:
-        raise ValueError(f"rows={rows}: expected 64 or 128")
-    return _ptxas_report(gluon_partition_kernel, types, ce, [n for n in types if n.startswith(("p_", "stride_"))],
-                         num_warps=4, maxnreg=maxnreg or None)

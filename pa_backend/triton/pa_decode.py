@@ -37,7 +37,7 @@
 # the query is never rounded to FP8. P @ V runs in FP16 (FP8 values are exact in FP16; P in
 # [0, 1] keeps 11 bits): the per-tensor V scale multiplies acc once at the end, a per-token one
 # multiplies P's columns first.
-# QK8 (programs of >= 64 rows on NVIDIA sm_89+, pa_backend/triton/__init__.py fp8_qk): Q.K runs on FP8
+# QK8 (programs of >= 64 rows on NVIDIA sm_89+, tiling.py fp8_qk): Q.K runs on FP8
 # tensor cores instead. K and V^T are loaded as 2-D tiles ([BT, D] with a per-token row, [D, BT] with
 # tokens contiguous in runs of 16 inside a block, a hint the compiler cannot derive through the gathered
 # block id) so the pipeliner copies K from global memory straight into the wgmma's shared-memory layout
@@ -153,10 +153,10 @@ def _split_query_fp8(x):
 @triton.jit
 def _attend_tile(
     b_m, b_l, b_acc, b_q, b_q_lo, row_scale, last, first, m_valid, tile_start, end,
-    p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_h, num_blocks,
+    p_kc, p_vc, p_ks, p_vs, p_block_tables, seq, i_h, num_blocks,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
-    stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
+    stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_block_tables,
     D: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, V_MAXNUM: tl.constexpr,
     MASKED: tl.constexpr, QK8: tl.constexpr,
@@ -184,9 +184,9 @@ def _attend_tile(
     # contiguous axis and the loads still vectorize
     live_pc = (tile_start + o_nt * TB) < end  # [NT]
     if MASKED:
-        b = tl.load(p_bt + seq * stride_bt_s + blk_idx, mask=live_pc, other=0).to(tl.int64)
+        b = tl.load(p_block_tables + seq * stride_block_tables + blk_idx, mask=live_pc, other=0).to(tl.int64)
     else:
-        b = tl.load(p_bt + seq * stride_bt_s + blk_idx).to(tl.int64)
+        b = tl.load(p_block_tables + seq * stride_block_tables + blk_idx).to(tl.int64)
     # a block id outside the cache (a corrupted table: the reference raises ValueError) reads block 0
     # instead: the result is meaningless but no load leaves the caches
     b = tl.where((b >= 0) & (b < num_blocks), b, 0)
@@ -317,13 +317,14 @@ def _max_partitions(p_cl, stride_cl, n_items, nrows, sliding_window, P, max_toke
 
 @triton.jit
 def _partition_task(
-    i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out,
+    i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_block_tables, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks,
+    p_out,
     P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt, short_target,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
     stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
-    stride_bt_s, stride_cl,
+    stride_block_tables, stride_cl,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BT: tl.constexpr, ALIGN: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
@@ -378,18 +379,18 @@ def _partition_task(
     for jt in tl.range(0, n_full):
         b_m, b_l, b_acc = _attend_tile(
             b_m, b_l, b_acc, b_q, b_q_lo, row_scale, last, first, m_valid, u0 + jt * BT, end,
-            p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_hkv, num_blocks,
+            p_kc, p_vc, p_ks, p_vs, p_block_tables, seq, i_hkv, num_blocks,
             stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
-            stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
+            stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_block_tables,
             D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, False, QK8)
     # a few tiles per partition: 2 stages (fewer registers than the steady loop; the sm_90 resource test)
     for jt in tl.range(0, n_masked, num_stages=2):
         tile_start = tl.where(jt < n_pre, start + jt * BT, u1 + (jt - n_pre) * BT)
         b_m, b_l, b_acc = _attend_tile(
             b_m, b_l, b_acc, b_q, b_q_lo, row_scale, last, first, m_valid, tile_start, end,
-            p_kc, p_vc, p_ks, p_vs, p_bt, seq, i_hkv, num_blocks,
+            p_kc, p_vc, p_ks, p_vs, p_block_tables, seq, i_hkv, num_blocks,
             stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t, stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
-            stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_bt_s,
+            stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h, stride_block_tables,
             D, BS, BT, V5D, K_PER_TOKEN, V_PER_TOKEN, V_MAXNUM, True, QK8)
     if not V_PER_TOKEN:
         b_acc = b_acc * tl.load(p_vs)
@@ -416,14 +417,14 @@ BATCH_SCALARS = ("n_items", "P", "num_sms", "sliding_window", "max_tokens", "num
 
 @triton.jit(do_not_specialize=BATCH_SCALARS)
 def pa_decode_partition_kernel(
-    p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_queue,
+    p_q, p_kc, p_vc, p_ks, p_vs, p_block_tables, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out, p_queue,
     n_items, P, num_sms, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
     short_target,
     stride_q_t, stride_q_h, stride_o_t, stride_o_h,
     stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
     stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3,
     stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
-    stride_bt_s, stride_cl,
+    stride_block_tables, stride_cl,
     HKV: tl.constexpr, G: tl.constexpr, QL: tl.constexpr, BM: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
     BT: tl.constexpr, ALIGN: tl.constexpr,
     V5D: tl.constexpr, K_PER_TOKEN: tl.constexpr, V_PER_TOKEN: tl.constexpr, RAGGED: tl.constexpr,
@@ -435,11 +436,11 @@ def pa_decode_partition_kernel(
     if not QUEUE:  # grid (items, Hkv, P): one task per program
         _partition_task(
             tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2),
-            p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out,
+            p_q, p_kc, p_vc, p_ks, p_vs, p_block_tables, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks, p_out,
             P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt, short_target,
             stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
             stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
-            stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
+            stride_block_tables, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
             V_MAXNUM, DIRECT, HAS_SINKS, QK8)
     else:
         # tasks (item, KV head, partition), partition-major from the highest partition down (the
@@ -465,12 +466,12 @@ def pa_decode_partition_kernel(
             i_s = ((t % per_part) // HKV).to(tl.int64)
             i_h = t % HKV
             _partition_task(
-                i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_bt, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc, p_sinks,
-                p_out, P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
+                i_s, i_h, i_p, p_q, p_kc, p_vc, p_ks, p_vs, p_block_tables, p_cl, p_chunks, p_ws_m, p_ws_l, p_ws_acc,
+                p_sinks, p_out, P, softmax_scale, sliding_window, max_tokens, num_blocks, few_target, min_pt, long_pt,
                 short_target,
                 stride_q_t, stride_q_h, stride_o_t, stride_o_h, stride_kc_b, stride_kc_h, stride_kc_c, stride_kc_t,
                 stride_vc_b, stride_vc_h, stride_vc_2, stride_vc_3, stride_ks_b, stride_ks_h, stride_vs_b, stride_vs_h,
-                stride_bt_s, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
+                stride_block_tables, stride_cl, HKV, G, QL, BM, D, BS, BT, ALIGN, V5D, K_PER_TOKEN, V_PER_TOKEN, RAGGED,
                 V_MAXNUM, False, HAS_SINKS, QK8)
             t = tl.atomic_add(p_queue, 1, sem="relaxed")
 
