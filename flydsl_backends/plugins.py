@@ -69,7 +69,7 @@ def _prefill_graph_step(server_args, previous) -> None:
 
 
 def _create_attn_backend(runner):
-    from pa_backend.sglang import FlyDSLAttnBackend  # lazy: keeps the launcher free of kernel imports
+    from pa_backend.sglang_backend import FlyDSLAttnBackend  # SGLang is loaded by now
 
     return FlyDSLAttnBackend(runner)
 

@@ -268,17 +268,18 @@ def build_side(case: Case, which: str, *, device="cpu", dtype=torch.bfloat16, kv
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    import pa_backend.sglang as pas
+    from pa_backend.sglang_backend import FlyDSLAttnBackend
+    from pa_backend.sglang_pool import FlyDSLMHATokenToKVPool
 
     num_reqs = num_reqs or case.bs + 1
-    pool_cls = pas.FlyDSLMHATokenToKVPool if which == "flydsl" else MHATokenToKVPool
+    pool_cls = FlyDSLMHATokenToKVPool if which == "flydsl" else MHATokenToKVPool
     runner = _mock_runner_class()(backend_name=which, page_size=case.page_size, device=device, dtype=dtype,
                                   kv_dtype=kv_dtype, num_reqs=num_reqs, max_context_len=max_context_len,
                                   num_heads=case.num_heads, num_kv_heads=case.num_kv_heads, head_dim=case.head_dim,
                                   layer_num=num_layers, pool_cls=pool_cls,
                                   sliding_window_size=case.sliding_window_size)
     if which == "flydsl":
-        backend = pas.FlyDSLAttnBackend(runner, pa_impl=pa_impl)
+        backend = FlyDSLAttnBackend(runner, pa_impl=pa_impl)
     else:
         backend = ATTENTION_BACKENDS["torch_native"](runner)
     slots = slots if slots is not None else make_slot_map(case, max_context_len, num_reqs)

@@ -24,6 +24,8 @@ except Exception as exc:  # pragma: no cover - depends on the environment
 
 import pa_backend.sglang as pas  # noqa: E402
 from integration_tests.sglang import harness as H  # noqa: E402
+from pa_backend.sglang_backend import FlyDSLAttnBackend  # noqa: E402
+from pa_backend.sglang_pool import FlyDSLMHATokenToKVPool  # noqa: E402
 
 # FP8 KV: both sides hold identical FP8 bytes (checked below), so the outputs differ only by the
 # order of fp32 vs bf16 accumulation and the final bf16 rounding.
@@ -348,7 +350,7 @@ def test_kv_pool_hook_selects_pool_only_for_flydsl():
     target, draft = SimpleNamespace(is_draft_worker=False), SimpleNamespace(is_draft_worker=True)
     get_context().override_server_args(attention_backend="flydsl", kv_cache_dtype="fp8_e4m3").install()
     try:
-        assert resolve(target, kind="mha", default=MHATokenToKVPool) is pas.FlyDSLMHATokenToKVPool
+        assert resolve(target, kind="mha", default=MHATokenToKVPool) is FlyDSLMHATokenToKVPool
         assert resolve(target, kind="mla", default=MLATokenToKVPool) is MLATokenToKVPool
         # a speculative draft worker runs on its own backend over SGLang's pool
         assert resolve(draft, kind="mha", default=MHATokenToKVPool) is MHATokenToKVPool
@@ -360,7 +362,7 @@ def test_kv_pool_hook_selects_pool_only_for_flydsl():
 def test_pool_layout_and_page_aware_moves():
     from sglang.srt.mem_cache.device_pool_info import KVBufferLayout
 
-    Pool = pas.FlyDSLMHATokenToKVPool
+    Pool = FlyDSLMHATokenToKVPool
     pool = Pool(size=4 * 16, page_size=16, dtype=H.FP8, head_num=2, head_dim=64, layer_num=2, device="cpu",
                 enable_memory_saver=False, enable_alt_stream=False)
     assert pool.kv_cache_layout == "vectorized_5d"
@@ -392,7 +394,7 @@ def test_pool_layout_and_page_aware_moves():
 def test_pool_raw_writes_skip_outside_slots_and_check_before_writing(page):
     """Quantized K/V bytes (a transfer) go into the pool like activations do: a location outside the pool is
     skipped (it raised after K was written), and a K/V pair of mixed kinds is refused before either is written."""
-    Pool = pas.FlyDSLMHATokenToKVPool
+    Pool = FlyDSLMHATokenToKVPool
     pool = Pool(size=4 * page, page_size=page, dtype=H.FP8, head_num=2, head_dim=64, layer_num=1, device="cpu",
                 enable_memory_saver=False, enable_alt_stream=False)
     layer = H.make_layers(H.Case(mode="decode", page_size=16, prefix_lens=(1,)), 1)[0]
@@ -421,7 +423,7 @@ def _runner_kwargs(**over):
     kw = dict(backend_name="flydsl", page_size=16, device="cpu", dtype=torch.bfloat16, kv_dtype=H.FP8, num_reqs=2,
               max_context_len=64, num_heads=8, num_kv_heads=2, head_dim=64, layer_num=1, pool_cls=None)
     kw.update(over)
-    kw["pool_cls"] = kw["pool_cls"] or pas.FlyDSLMHATokenToKVPool
+    kw["pool_cls"] = kw["pool_cls"] or FlyDSLMHATokenToKVPool
     return kw
 
 
@@ -442,14 +444,14 @@ def test_backend_rejects_mla_and_foreign_pool():
     runner = H._mock_runner_class()(**_runner_kwargs())
     runner.use_mla_backend = True
     with pytest.raises(ValueError, match="MLA"):
-        pas.FlyDSLAttnBackend(runner, pa_impl="torch")
+        FlyDSLAttnBackend(runner, pa_impl="torch")
     runner = H._mock_runner_class()(**_runner_kwargs(pool_cls=MHATokenToKVPool))
     with pytest.raises(ValueError, match="install_kv_pool_hook"):
-        pas.FlyDSLAttnBackend(runner, pa_impl="torch")
+        FlyDSLAttnBackend(runner, pa_impl="torch")
     runner = H._mock_runner_class()(**_runner_kwargs())
     runner.dtype = torch.float32
     with pytest.raises(ValueError, match="--dtype"):
-        pas.FlyDSLAttnBackend(runner, pa_impl="torch")
+        FlyDSLAttnBackend(runner, pa_impl="torch")
 
 
 @pytest.mark.parametrize("what", ["logit_cap", "cross", "encoder", "embedding"])
@@ -472,7 +474,7 @@ def test_unsupported_models_rejected_at_start_up(what):
     match = {"logit_cap": "soft-capping", "cross": "cross-attention", "encoder": "non-causal",
              "embedding": "non-causal"}[what]
     with pytest.raises(ValueError, match=match) as ei:
-        pas.FlyDSLAttnBackend(runner, pa_impl="torch")
+        FlyDSLAttnBackend(runner, pa_impl="torch")
     assert "--attention-backend triton" in str(ei.value)
 
 
@@ -485,7 +487,7 @@ def test_causal_embedding_model_is_accepted():
     runner = H._mock_runner_class()(**_runner_kwargs())
     runner.model.attn = RadixAttention(num_heads=8, head_dim=64, scaling=0.125, num_kv_heads=2, layer_id=0)
     runner.is_generation = False
-    assert isinstance(pas.FlyDSLAttnBackend(runner, pa_impl="torch"), pas.FlyDSLAttnBackend)
+    assert isinstance(FlyDSLAttnBackend(runner, pa_impl="torch"), FlyDSLAttnBackend)
 
 
 def test_import_does_not_pull_sglang():
