@@ -5,7 +5,9 @@ SGLang has no registry for KDA kernels: ``flydsl`` maps to ``LinearAttnKernelBac
 ``KDAKernelDispatcher`` raises for it. The plugin (``flydsl_backends.plugins.register_sglang``)
 therefore installs ``dispatcher_init_around`` as an AROUND hook on ``KDAKernelDispatcher.__init__``:
 when the user asked for ``flydsl`` it builds the dispatcher as for ``triton`` (prefill, verify and
-the fallback kernel stay SGLang's) and swaps in :func:`make_decode_kernel`'s kernel for decode.
+the fallback kernel stay SGLang's) and swaps in :func:`make_decode_kernel`'s kernel for decode
+(``kda_backend.sglang_kernel.FlyDSLKDAKernel``; this module imports no SGLang module at import time,
+so the plugin and the CPU tests load it anywhere).
 
 What SGLang hands the decode kernel (after its own causal conv + SiLU, see the notes): packed
 post-conv ``mixed_qkv`` [B, 3*H*K], raw ``a`` [B, H*K], raw ``b`` [1, B, H], ``A_log`` [1, 1, H, 1],
@@ -47,7 +49,6 @@ step, SGLang's kernel serves only what our op does not cover:
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from collections import OrderedDict
@@ -127,10 +128,11 @@ def _gate_params_fp32(A_log: torch.Tensor, dt_bias: torch.Tensor):
 
 
 def _packed_decode(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, A_log: torch.Tensor,
-                   dt_bias: torch.Tensor, scale: float, ssm_states: torch.Tensor, cache_indices: torch.Tensor,
+                   dt_bias: torch.Tensor, scale: float, ssm_states: torch.Tensor, state_indices: torch.Tensor,
                    num_v_heads: int, head_v_dim: int, lower_bound: Optional[float] = None,
                    backend: str = "auto") -> torch.Tensor:
-    """SGLang's packed decode arguments -> ``kda_decode``; returns [1, B, H, V]."""
+    """SGLang's packed decode arguments (its ``cache_indices`` are ``state_indices``) -> ``kda_decode``;
+    returns [1, B, H, V]."""
     B = int(mixed_qkv.shape[0])
     H, V = int(num_v_heads), int(head_v_dim)
     if mixed_qkv.dim() != 2 or int(mixed_qkv.shape[1]) != 3 * H * V:
@@ -138,52 +140,16 @@ def _packed_decode(mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
                          f"{list(mixed_qkv.shape)}")
     out = torch.empty(1, B, H, V, dtype=mixed_qkv.dtype, device=mixed_qkv.device)
     A_log, dt_bias = _gate_params_fp32(A_log, dt_bias)
-    kda_decode(mixed_qkv, None, None, a, b, A_log, dt_bias, ssm_states, cache_indices, None, None,
+    kda_decode(mixed_qkv, None, None, a, b, A_log, dt_bias, ssm_states, state_indices, None, None,
                lower_bound=lower_bound, scale=scale, out=out[0], backend=backend)
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _kernel_class():
-    from sglang.srt.layers.attention.linear.kernels.kernel_backend import LinearAttnKernelBase
-
-    class FlyDSLKDAKernel(LinearAttnKernelBase):
-        """KDA decode through the project's op (FlyDSL / Triton / reference by the registry)."""
-
-        supports_packed_decode = True
-        supports_packed_decode_safe_gate = True
-
-        def __init__(self, backend: str = "auto"):
-            self.backend = backend
-
-        def packed_decode(self, mixed_qkv, a, b, *, A_log, dt_bias, scale, ssm_states, cache_indices, num_v_heads,
-                          head_v_dim, lower_bound=None, **kwargs):
-            extra = sorted(k for k, v in kwargs.items() if v is not None)
-            if extra:  # ReplaySSM buffers: SGLang's resolution rejects them for non-triton decode already
-                raise NotImplementedError(f"flydsl KDA decode: unsupported arguments {extra} (use the triton decode "
-                                          "backend)")
-            return _packed_decode(mixed_qkv, a, b, A_log=A_log, dt_bias=dt_bias, scale=scale, ssm_states=ssm_states,
-                                  cache_indices=cache_indices, num_v_heads=num_v_heads, head_v_dim=head_v_dim,
-                                  lower_bound=lower_bound, backend=self.backend)
-
-        def decode(self, q, k, v, a, b, *, A_log, dt_bias, ssm_states, cache_indices, query_start_loc,
-                   lower_bound=None, **kwargs):
-            """Unpacked form (q, k, v [1, B, H, K] post-conv): packed into one row buffer first."""
-            B, H, K = int(q.shape[1]), int(q.shape[2]), int(q.shape[3])
-            x = torch.cat([t.reshape(B, H * K) for t in (q, k, v)], dim=1)
-            return self.packed_decode(x, a, b, A_log=A_log, dt_bias=dt_bias, scale=K ** -0.5, ssm_states=ssm_states,
-                                      cache_indices=cache_indices, num_v_heads=H, head_v_dim=K, lower_bound=lower_bound,
-                                      **kwargs)  # packed_decode refuses the ReplaySSM buffers we do not fill
-
-        def extend(self, *args, **kwargs):
-            raise NotImplementedError("flydsl serves KDA decode only; prefill stays on SGLang's kernel")
-
-    return FlyDSLKDAKernel
-
-
 def make_decode_kernel(backend: str = "auto"):
     """A ``LinearAttnKernelBase`` instance for SGLang's ``KDAKernelDispatcher.decode_kernel``."""
-    return _kernel_class()(backend)
+    from .sglang_kernel import FlyDSLKDAKernel
+
+    return FlyDSLKDAKernel(backend)
 
 
 def user_selected_flydsl() -> bool:

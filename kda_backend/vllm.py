@@ -14,10 +14,11 @@ calls :func:`install_layer_hooks`, which registers (when vLLM imports each layer
   NVIDIA's layer with the AMD one, hence the ROCm check.)
 
 ``PluggableLayer.__new__`` then builds our subclass wherever vLLM constructs the original. The
-subclass only overrides ``_forward(mixed_qkv, g1, g2, beta, core_attn_out)`` (same signature and
-``@eager_break_during_capture`` decoration as vLLM's), so weights, loading, metadata (vLLM's own
-``GDNAttentionMetadataBuilder`` / K3's ``KimiK3ROCmKDAMetadataBuilder``) and the cache spec are
-vLLM's.
+subclasses (``kda_backend.vllm_layers``, ``kda_backend.vllm_layers_k3``: they import vLLM; this module
+imports on any machine) only override ``_forward(mixed_qkv, g1, g2, beta, core_attn_out)`` (same
+signature and ``@eager_break_during_capture`` decoration as vLLM's) and run :func:`forward_on_flydsl`
+there, so weights, loading, metadata (vLLM's own ``GDNAttentionMetadataBuilder`` / K3's
+``KimiK3ROCmKDAMetadataBuilder``) and the cache spec are vLLM's.
 
 Opt-in: ``--additional-config '{"flydsl_kda": true}'``. The switch is read from
 ``vllm.config.get_current_vllm_config()`` when the layer is constructed
@@ -76,7 +77,6 @@ load. :func:`register_layer_hooks` makes them at once (importing the modules).
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import threading
@@ -85,12 +85,12 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from backend_core.buffers import DeviceBuffers
-from backend_core.lazy import after_import
+from backend_core.import_hooks import after_import
 from backend_core.validation import signature_of
 
 __all__ = ["register_layer_hooks", "install_layer_hooks", "flydsl_kda_enabled", "CONFIG_KEY", "KIMI_LINEAR_LAYER",
-           "KIMI_K3_LAYER",
-           "kimi_linear_layer_class", "kimi_k3_layer_class", "decode_on_flydsl", "map_state_indices"]
+           "KIMI_K3_LAYER", "kimi_linear_layer_class", "kimi_k3_layer_class", "configure_layer", "forward_on_flydsl",
+           "decode_on_flydsl", "map_state_indices"]
 
 log = logging.getLogger("flydsl_backends.vllm.kda")
 
@@ -245,11 +245,11 @@ def decode_on_flydsl(layer, mixed_qkv, g1, g2, beta, core_attn_out, backend: str
         conv_state = conv_state.transpose(-1, -2)
     w = layer.conv1d.weight
     H, D = int(core_attn_out.shape[2]), int(core_attn_out.shape[3])
-    indices = map_state_indices(m.non_spec_state_indices_tensor, T, getattr(layer, "_flydsl_rows_hint", 0))
+    state_indices = map_state_indices(m.non_spec_state_indices_tensor, T, getattr(layer, "_flydsl_rows_hint", 0))
     kw = dict(
         x=mixed_qkv[:T], conv_weight=w.view(int(w.shape[0]), int(w.shape[2])), conv_bias=layer.conv1d.bias,
         conv_state=conv_state, a=g1[0, :T].reshape(T, H * D), b=beta[:, :T], A_log=layer.A_log,
-        dt_bias=layer.dt_bias, state=state, state_indices=indices, output_gate=g2[:T],
+        dt_bias=layer.dt_bias, state=state, state_indices=state_indices, output_gate=g2[:T],
         norm_weight=layer.o_norm.weight, lower_bound=layer.gate_lower_bound, norm_eps=float(layer.o_norm.eps),
         scale=None, out=core_attn_out[0, :T],
     )
@@ -264,7 +264,7 @@ def decode_on_flydsl(layer, mixed_qkv, g1, g2, beta, core_attn_out, backend: str
     return None
 
 
-# --- layer classes ---------------------------------------------------------------------------------
+# --- what the layer classes run (kda_backend.vllm_layers) --------------------------------------------
 
 def _rows_hint(vllm_config) -> int:
     try:
@@ -275,59 +275,56 @@ def _rows_hint(vllm_config) -> int:
         return 0
 
 
-def _make_subclass(base: type, name: str) -> type:
-    from vllm.compilation.breakable_cudagraph import eager_break_during_capture
-    from vllm.config import get_current_vllm_config
-
-    def __init__(self, config, vllm_config, prefix: str = "", *args, **kwargs):
-        base.__init__(self, config, vllm_config, prefix, *args, **kwargs)
-        current = get_current_vllm_config()
-        self._flydsl_kda = flydsl_kda_enabled(current)
-        self._flydsl_rows_hint = _rows_hint(current)
-        self._flydsl_static_reason = _static_reason(self)
-        if not self._flydsl_kda:
-            _log_once((name, "off"), logging.INFO, "KDA decode (%s): vLLM's path (additional_config %r not set)",
-                      base.__name__, CONFIG_KEY)
-        elif self._flydsl_static_reason is not None:
-            _log_once((name, "static"), logging.WARNING, "KDA decode (%s): vLLM's path (%s)", base.__name__,
-                      self._flydsl_static_reason)
-        else:
-            _log_once((name, "on"), logging.INFO, "KDA decode (%s): flydsl-backends kda_decode for pure decode "
-                      "batches (implementation chosen per call: FLYDSL_BACKENDS_KDA or auto); prefill, mixed and "
-                      "speculative batches: vLLM's path", base.__name__)
-
-    @eager_break_during_capture
-    def _forward(self, mixed_qkv: torch.Tensor, g1: torch.Tensor, g2: torch.Tensor, beta: torch.Tensor,
-                 core_attn_out: torch.Tensor) -> None:
-        if self._flydsl_kda:
-            reason = decode_on_flydsl(self, mixed_qkv, g1, g2, beta, core_attn_out)
-            if reason is None:
-                _log_once((name, "ran"), logging.INFO, "KDA decode (%s): flydsl-backends kda_decode ran", base.__name__)
-                return None
-            _log_once((name, reason), logging.INFO, "KDA decode (%s) batch: vLLM's path (%s)", base.__name__, reason)
-        return base._forward(self, mixed_qkv=mixed_qkv, g1=g1, g2=g2, beta=beta, core_attn_out=core_attn_out)
-
-    # vLLM's _forward is the decorated wrapper; base._forward above goes through it (its wrapper
-    # runs the function directly when no breakable capture is recording, as inside ours).
-    cls = type(name, (base,), {"__init__": __init__, "_forward": _forward, "__module__": __name__,
-                               "__doc__": f"{base.__name__} whose pure decode batches run kda_backend.kda_decode "
-                                          f"when additional_config {{{CONFIG_KEY!r}: true}} (see kda_backend.vllm)."})
-    cls.__qualname__ = name
-    return cls
+def _vllm_class(layer) -> type:
+    """The vLLM layer class ``layer``'s class extends (for the log lines)."""
+    return next(c for c in type(layer).__mro__ if c.__module__.startswith("vllm."))
 
 
-@functools.lru_cache(maxsize=None)
+def configure_layer(layer, vllm_config) -> None:
+    """At construction: whether ``layer`` takes our path (``vllm_config``'s switch, then the layer's own
+    modules), stored on the layer, and the answer logged once per layer class."""
+    name, base = layer._flydsl_label = type(layer).__name__, _vllm_class(layer).__name__
+    layer._flydsl_kda = flydsl_kda_enabled(vllm_config)
+    layer._flydsl_rows_hint = _rows_hint(vllm_config)
+    layer._flydsl_static_reason = _static_reason(layer)
+    if not layer._flydsl_kda:
+        _log_once((name, "off"), logging.INFO, "KDA decode (%s): vLLM's path (additional_config %r not set)", base,
+                  CONFIG_KEY)
+    elif layer._flydsl_static_reason is not None:
+        _log_once((name, "static"), logging.WARNING, "KDA decode (%s): vLLM's path (%s)", base,
+                  layer._flydsl_static_reason)
+    else:
+        _log_once((name, "on"), logging.INFO, "KDA decode (%s): flydsl-backends kda_decode for pure decode "
+                  "batches (implementation chosen per call: FLYDSL_BACKENDS_KDA or auto); prefill, mixed and "
+                  "speculative batches: vLLM's path", base)
+
+
+def forward_on_flydsl(layer, mixed_qkv, g1, g2, beta, core_attn_out) -> bool:
+    """The layer's ``_forward`` on our op when it is switched on and covers the batch (True: done,
+    ``core_attn_out`` written); False: vLLM's ``_forward`` runs it (the reason logged once)."""
+    if not layer._flydsl_kda:
+        return False
+    name, base = layer._flydsl_label
+    reason = decode_on_flydsl(layer, mixed_qkv, g1, g2, beta, core_attn_out)
+    if reason is None:
+        _log_once((name, "ran"), logging.INFO, "KDA decode (%s): flydsl-backends kda_decode ran", base)
+        return True
+    _log_once((name, reason), logging.INFO, "KDA decode (%s) batch: vLLM's path (%s)", base, reason)
+    return False
+
+
 def kimi_linear_layer_class() -> type:
-    """Our subclass of vLLM's ``KimiGatedDeltaNetAttention`` (built on first call)."""
-    base = getattr(importlib.import_module(KIMI_LINEAR_MODULE), KIMI_LINEAR_LAYER)
-    return _make_subclass(base, "FlyDSLKimiGatedDeltaNetAttention")
+    """Our subclass of vLLM's ``KimiGatedDeltaNetAttention`` (imports the layer's module)."""
+    from .vllm_layers import FlyDSLKimiGatedDeltaNetAttention
+
+    return FlyDSLKimiGatedDeltaNetAttention
 
 
-@functools.lru_cache(maxsize=None)
 def kimi_k3_layer_class() -> type:
     """Our subclass of ROCm's ``KimiK3DeltaAttention`` (raises ImportError without ROCm + aiter)."""
-    base = getattr(importlib.import_module(KIMI_K3_MODULE), KIMI_K3_LAYER)
-    return _make_subclass(base, "FlyDSLKimiK3DeltaAttention")
+    from .vllm_layers_k3 import FlyDSLKimiK3DeltaAttention
+
+    return FlyDSLKimiK3DeltaAttention
 
 
 def _register(name: str, build) -> bool:

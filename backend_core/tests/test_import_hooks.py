@@ -1,23 +1,4 @@
-"""backend_core.lazy: framework subclasses built once, on first use."""
-
-import pytest
-
-
-def test_lazy_classes_build_once_and_name_the_module():
-    from backend_core.lazy import LazyClasses
-
-    calls = []
-
-    def build():
-        calls.append(1)
-        return type("Tmp", (), {})
-
-    lazy = LazyClasses("some.module", {"Thing": build})
-    a, b = lazy.get("Thing"), lazy.module_getattr("Thing")
-    assert a is b and calls == [1]
-    assert (a.__module__, a.__qualname__) == ("some.module", "Thing")
-    with pytest.raises(AttributeError, match="Other"):
-        lazy.module_getattr("Other")
+"""backend_core.import_hooks: a callback run when a module is first imported."""
 
 
 def test_after_import_runs_once_the_module_is_imported(tmp_path, monkeypatch, caplog):
@@ -29,7 +10,7 @@ def test_after_import_runs_once_the_module_is_imported(tmp_path, monkeypatch, ca
     import logging
     import sys
 
-    from backend_core.lazy import after_import
+    from backend_core.import_hooks import after_import
 
     for name in ("fb_after_a", "fb_after_b"):
         (tmp_path / f"{name}.py").write_text("VALUE = 41 + 1\n")

@@ -31,10 +31,9 @@ in the installed sglang package is modified.
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
-
-from backend_core.lazy import LazyClasses
 
 ROOT = Path(__file__).resolve().parents[2]
 DIST = "flydsl_backends_test_cpu_platform"
@@ -57,6 +56,7 @@ class SpecDeclarations:
         return DRAFT_BACKEND
 
 
+@functools.lru_cache(maxsize=None)
 def _platform_class():
     from sglang.srt.platforms.cpu import CpuDeviceMixin
     from sglang.srt.platforms.interface import PlatformCapabilities, PlatformEnum, SRTPlatform
@@ -79,12 +79,16 @@ def _platform_class():
         def is_pin_memory_available(self, device=None) -> bool:
             return False
 
+    TestCpuPlatform.__qualname__ = "TestCpuPlatform"
     return TestCpuPlatform
 
 
-# built lazily (LazyClasses: the qualified name and module set): importing this module, the platform's entry
-# point, must not import sglang (SGLang's platform discovery is already running)
-__getattr__ = LazyClasses(__name__, {"TestCpuPlatform": _platform_class}).module_getattr
+def __getattr__(name: str):
+    # the class is built on first access: importing this module, the platform's entry point, must not import
+    # sglang (SGLang's platform discovery is already running)
+    if name == "TestCpuPlatform":
+        return _platform_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 TRACE_ENV = "FLYDSL_SGLANG_TRACE"

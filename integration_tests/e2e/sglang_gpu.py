@@ -58,9 +58,9 @@ environment SGLang's processes need. ``FLYDSL_SGLANG_TRACE`` works as on CPU.
 
 from __future__ import annotations
 
+import functools
 import os
 
-from backend_core.lazy import LazyClasses
 from integration_tests.e2e import sglang_cpu
 
 DIST = "flydsl_backends_test_cuda_platform"
@@ -72,6 +72,7 @@ ENV = {
 }
 
 
+@functools.lru_cache(maxsize=None)
 def _platform_class():
     import torch
     from sglang.srt.platforms.cuda import CudaDeviceMixin
@@ -101,12 +102,16 @@ def _platform_class():
         def get_group_coordinator_device(self, local_rank: int):
             return torch.device(f"cuda:{local_rank}")
 
+    TestCudaPlatform.__qualname__ = "TestCudaPlatform"
     return TestCudaPlatform
 
 
-# built lazily (LazyClasses: the qualified name and module set): importing this module, the platform's entry
-# point, must not import sglang (SGLang's platform discovery is already running)
-__getattr__ = LazyClasses(__name__, {"TestCudaPlatform": _platform_class}).module_getattr
+def __getattr__(name: str):
+    # the class is built on first access: importing this module, the platform's entry point, must not import
+    # sglang (SGLang's platform discovery is already running)
+    if name == "TestCudaPlatform":
+        return _platform_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _custom_ops_on_cuda() -> None:

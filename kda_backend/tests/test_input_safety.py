@@ -106,7 +106,7 @@ def test_sglang_packed_decode_converts_bf16_gate_parameters():
     twin = clone_caches(case)
     kw = case.kwargs
     A16, dt16 = kw["A_log"].bfloat16(), kw["dt_bias"].bfloat16()
-    args = dict(scale=32 ** -0.5, cache_indices=kw["state_indices"], num_v_heads=2, head_v_dim=32, backend="torch")
+    args = dict(scale=32 ** -0.5, state_indices=kw["state_indices"], num_v_heads=2, head_v_dim=32, backend="torch")
     got = _packed_decode(kw["x"], kw["a"], kw["b"], A_log=A16, dt_bias=dt16, ssm_states=kw["state"], **args)
     tk = twin.kwargs
     want = _packed_decode(tk["x"], tk["a"], tk["b"], A_log=A16.float(), dt_bias=dt16.float(),
