@@ -69,7 +69,6 @@ _WORKING = ("--attention-backend FLYDSL --kv-cache-dtype fp8 --block-size 16 (an
             "--dtype bfloat16, an MHA/GQA decoder with head size 64, 128 or 256")
 
 
-
 @dataclass
 class FlyDSLAttentionMetadata:
     num_actual_tokens: int  # tokens of this step, CUDA-graph padding included
