@@ -32,7 +32,6 @@ SLOW = {
     "kda_backend/tests/test_triton_resources.py::test_shipped_configs_compile_for_amd_without_scratch",
     "pa_backend/tests/test_triton_resources.py::test_decode_kernels_compile_for_sm90_without_spills[",
     "pa_backend/tests/test_triton_resources.py::test_kernels_compile_for_amd_gfx942_and_gfx950[",
-    "pa_backend/tests/test_gluon.py::test_compiles_for_sm90_without_spills",
     # long interpreter runs; the grid's other members stay in the default run
     "kda_backend/tests/test_long_horizon.py::test_drift_short_cpu[triton-bf16]",
     "kda_backend/tests/test_long_horizon.py::test_drift_short_cpu[triton-fp32]",

@@ -18,7 +18,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from . import contract as _contract
-from .plan import PAPlan, plan_decode, plan_prefill
+from .contract import PAPlan, plan_decode, plan_prefill
 from .sglang import ACT_DTYPES, WORKING, check_head_dims, check_kv_dtype, check_page_size
 from .sglang_pool import FlyDSLMHATokenToKVPool
 

@@ -54,7 +54,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from . import contract as _contract
 from .api import write_kv
-from .plan import PAPlan, plan_decode, plan_prefill
+from .contract import PAPlan, plan_decode, plan_prefill
 
 __all__ = ["FlyDSLAttentionBackend", "FlyDSLAttentionMetadataBuilder", "FlyDSLAttentionImpl",
            "FlyDSLAttentionMetadata", "BACKEND_NAME", "kv_cache_views", "uniform_query_length"]

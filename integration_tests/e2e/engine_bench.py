@@ -220,7 +220,8 @@ def first_divergence_ok(tok_a, lp_a, tok_b, lp_b, top_n=TOP_N):
     """vLLM's check_logprobs_close rule for one pair of greedy sequences: walk both; at the first
     position where the tokens differ, each chosen token must be among the other run's top-``top_n``
     logprobs there, and nothing after it is compared. ``lp_x[i]``: {token: (rank, logprob)} at
-    position i (rank 1 = best; None = unranked, counted as in the top). Returns (ok, first differing position or None)."""
+    position i (rank 1 = best; None = unranked, counted as in the top). Returns (ok, first differing
+    position or None)."""
     for i, (a, b) in enumerate(zip(tok_a, tok_b)):
         if a == b:
             continue
@@ -458,7 +459,8 @@ class Bench:
                       f"{v.get('hf_argmax_agreement', v.get('hf_error', '-'))} |"
                       + (f" {v.get('kda_decode_calls', '-')} ({v.get('kda_decode_rows', '-')}); "
                          f"{v.get('kda_decode_calls_at_build', '-')} |" if kda else ""))
-        md += ["", "| a | b | check_logprobs_close | identical sequences | max abs logprob diff |", "|---|---|---|---|---|"]
+        md += ["", "| a | b | check_logprobs_close | identical sequences | max abs logprob diff |",
+               "|---|---|---|---|---|"]
         for p in pairs:
             md.append(f"| {p['a']} | {p['b']} | {'pass' if p['check_logprobs_close'] else 'FAIL'} | "
                       f"{p['identical_sequences']}/{p['sequences']} | {p['max_abs_logprob_diff']} |")
@@ -648,7 +650,7 @@ def run_main(bench_cls, settings_fn, prepare, argv=None, description="", build_m
         prepare(args.cpu)
     except ModuleNotFoundError as exc:  # the framework itself (or a dependency of it) is not installed
         log(f"{exc.name} is not installed in this environment: the engine bench drives the framework's real "
-            "engine (README, \"End to end\")")
+            "engine (docs/serving.md, \"End to end\")")
         return 2
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     s = settings_fn(args.cpu)

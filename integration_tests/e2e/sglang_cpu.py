@@ -292,13 +292,13 @@ def _log_interpreted_kernels(path) -> None:
 
 def install_trace(path) -> None:
     """Append one JSON line to ``path`` per layer call of this project's paged attention
-    (``pa_backend.plan.PAPlan.run``: what ``FlyDSLAttnBackend.forward_decode`` / ``forward_extend``
+    (``pa_backend.contract.PAPlan.run``: what ``FlyDSLAttnBackend.forward_decode`` / ``forward_extend``
     run), with the batch it served: decode or ragged (prefill / extend / mixed), the query rows of
     each sequence, their context lengths and the KV cache's dtype and shapes. The test reads it to prove the
     engine's batches ran through the flydsl backend and which shapes they had. Test-only."""
     import json
 
-    from pa_backend import plan as pa_plan
+    from pa_backend import contract as pa_plan
 
     if getattr(pa_plan.PAPlan.run, "_flydsl_trace", False):
         return

@@ -43,8 +43,8 @@ import atexit
 import contextlib
 import gc
 import os
-import signal
 import shutil
+import signal
 import sys
 import tempfile
 import time

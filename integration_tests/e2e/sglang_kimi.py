@@ -57,8 +57,10 @@ from __future__ import annotations
 
 import os
 
-from integration_tests.e2e import sglang_cpu
-from integration_tests.e2e import vllm_kimi  # its interpreter helpers; importing it imports no vLLM
+from integration_tests.e2e import (
+    sglang_cpu,
+    vllm_kimi,  # its interpreter helpers; importing it imports no vLLM
+)
 
 DIST = "flydsl_backends_test_cpu_kimi_platform"
 PLATFORM_NAME = "flydsl_test_cpu_kimi"

@@ -71,8 +71,8 @@ INSPECT = textwrap.dedent("""
     vllm_gpu.inspect_models_in_subprocess()
     print("pid", os.getpid(), registry._run_in_subprocess(lambda: os.getpid()))
     llama = registry.ModelRegistry.models["LlamaForCausalLM"]
-    print("cls", registry._run_in_subprocess(lambda: registry._ModelInfo.from_model_cls(llama.load_model_cls())).supports_pp,
-          "vllm.model_executor.models.llama" in sys.modules)
+    info = registry._run_in_subprocess(lambda: registry._ModelInfo.from_model_cls(llama.load_model_cls()))
+    print("cls", info.supports_pp, "vllm.model_executor.models.llama" in sys.modules)
     registry._SUBPROCESS_COMMAND = [sys.executable, "-c", "raise SystemExit(3)"]  # a failing subprocess
     print("fallback", os.getpid(), registry._run_in_subprocess(lambda: os.getpid()))
 """)

@@ -147,7 +147,7 @@ def _serve(model_dir, tmp, hook: bool, follow_up_base=None):
         # phase's prompt 2 chose another token at its 9th position with the hook on, where SGLang's own decode
         # already disagrees with the scoring prefill by 0.6 nats on either ISA: in the decode's own logits 215 and
         # 349 were tied (hook on) or 0.03 nats apart (hook off). With AVX2 all sequences of both runs are
-        # identical (benchmarks/NOTES.md, fourteenth session)
+        # identical (seen on the GPU runs of the engine bench)
         mp.setenv("ONEDNN_MAX_CPU_ISA", os.environ.get("ONEDNN_MAX_CPU_ISA", "AVX2"))
     try:
         sglang_kimi.prepare(tmp / "platform", mp, count_path=calls, batch_path=batches, cuda=cuda)

@@ -31,10 +31,10 @@ from integration_tests.e2e import sglang_cpu  # noqa: E402
 
 sglang_cpu.skip_without_engine()
 for _mod in ("jsonschema", "soundfile", "multipart", "uvicorn", "fastapi"):  # what launch_server adds
-    pytest.importorskip(_mod, reason=f"{_mod} missing: build the venv with integration_tests/setup-cpu-env.sh sglang DIR")
+    pytest.importorskip(_mod,
+                        reason=f"{_mod} missing: build the venv with integration_tests/setup-cpu-env.sh sglang DIR")
 from integration_tests.e2e import tiny_model as tm  # noqa: E402
-from integration_tests.e2e.server_process import (STOP_TIMEOUT_S, ServerProcess, expected_impl, get,  # noqa: E402
-                                                  on_cuda, post)
+from integration_tests.e2e.server_process import STOP_TIMEOUT_S, ServerProcess, expected_impl, get, on_cuda, post  # noqa: E402
 
 NEW_TOKENS = 12
 pytestmark = pytest.mark.skipif(os.environ.get("FLYDSL_E2E_SKIP_SERVE") == "1",

@@ -100,7 +100,8 @@ def _speculate(tmp_path_factory, algorithm, draft_tokens):
     eng = None
     try:
         eng = sglang.Engine(model_path=str(target), attention_backend="flydsl", kv_cache_dtype="fp8_e4m3",
-                            page_size=PAGE, device="cuda" if cuda else "cpu", skip_tokenizer_init=True, dtype="bfloat16",
+                            page_size=PAGE, device="cuda" if cuda else "cpu", skip_tokenizer_init=True,
+                            dtype="bfloat16",
                             random_seed=0, disable_cuda_graph=True, max_total_tokens=8192, max_running_requests=8,
                             context_length=1024, log_level="warning", sleep_on_idle=True,
                             speculative_algorithm=algorithm, speculative_draft_model_path=str(draft),

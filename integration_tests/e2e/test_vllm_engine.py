@@ -132,9 +132,9 @@ def test_preemption(small_engine, monkeypatch):
 def test_ngram_speculative_decoding(model_dir):
     """vLLM's ngram proposer (no draft model): the copy model's output repeats, so drafts are
     accepted and verify steps run the multi-token decode path (query length 1 + 3)."""
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: F401 (vLLM present)
-
     import importlib.util
+
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: F401 (vLLM present)
 
     # found, not imported: vLLM's kernel-override scan at worker start fails on numba's llvmlite objects
     if importlib.util.find_spec("numba") is None:
@@ -195,7 +195,8 @@ def test_torch_compiled_model(model_dir, tmp_path):
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, VLLM_CACHE_ROOT=str(tmp_path),  # a fresh compile cache: the compile itself runs
-               PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+               PYTHONPATH=os.pathsep.join([root] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                                                    if p]))
     proc = subprocess.run([sys.executable, "-c", _COMPILED_RUN, str(model_dir)], cwd=root, env=env,
                           capture_output=True, text=True, timeout=900)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

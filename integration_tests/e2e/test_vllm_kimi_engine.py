@@ -35,8 +35,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from integration_tests.e2e import tiny_kimi  # noqa: E402
-from integration_tests.e2e import vllm_kimi  # noqa: E402
+from integration_tests.e2e import (
+    tiny_kimi,  # noqa: E402
+    vllm_kimi,  # noqa: E402
+)
 
 PROMPTS = 6  # 8 took ~5.5 min on 2 cores; 6 keeps CI under 20 min
 NEW_TOKENS = 16  # prompt i gets NEW_TOKENS + 2 i: staggered finishes give mixed prefill+decode batches
@@ -56,8 +58,9 @@ def _serve(model_dir, hook: bool):
         vllm_kimi.prepare_cpu()
     except vllm_kimi.TritonUnavailable as exc:
         pytest.skip(str(exc))
-    import kda_backend.api as api
     from vllm import LLM, SamplingParams
+
+    import kda_backend.api as api
 
     calls = []
     original = api.kda_decode

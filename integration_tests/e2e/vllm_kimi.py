@@ -69,9 +69,9 @@ CPU (``prepare_cpu``):
 * Environment: ``TRITON_INTERPRET=1`` (vLLM's KDA prefill and its conv / decode
   kernels are Triton: the interpreter runs them on CPU, slowly).
 
-Call ``prepare_cpu()`` / ``prepare_gpu()`` before ``vllm.LLM`` in the engine's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-(CPU) before anything has imported ``vllm.triton_utils`` (it raises ``TritonUnavailable`` otherwise: run the module
-in its own pytest process).
+Call ``prepare_cpu()`` / ``prepare_gpu()`` before ``vllm.LLM`` in the engine's process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), (CPU) before anything has imported ``vllm.triton_utils`` (it
+raises ``TritonUnavailable`` otherwise: run the module in its own pytest process).
 """
 
 from __future__ import annotations
