@@ -2,6 +2,7 @@
 
 from .api import (
     REGISTRY,
+    VERIFY_REGISTRY,
     is_kda_decode_supported,
     kda_decode,
     kda_decode_ref,
@@ -9,6 +10,8 @@ from .api import (
     kda_decode_with_f_b,
     kda_decode_with_f_b_ref,
     kda_decode_with_f_b_triton,
+    kda_verify,
+    kda_verify_with_f_b,
 )
 
 __all__ = [
@@ -19,5 +22,8 @@ __all__ = [
     "kda_decode_with_f_b_ref",
     "kda_decode_triton",
     "kda_decode_with_f_b_triton",
+    "kda_verify",
+    "kda_verify_with_f_b",
     "REGISTRY",
+    "VERIFY_REGISTRY",
 ]

@@ -1,4 +1,5 @@
-"""Public KDA decode ops: ``kda_decode``, ``kda_decode_with_f_b``, ``is_kda_decode_supported``.
+"""Public KDA ops: ``kda_decode``, ``kda_decode_with_f_b``, ``is_kda_decode_supported``; the speculative verify
+step ``kda_verify``, ``kda_verify_with_f_b``.
 
 docs/design.md §3 is the contract. The ops live beside their checks in ``contract.py``; the implementations
 (``torch`` reference, ``triton``, ``flydsl``) in ``registry.py``, chosen by ``backend_core.registry``;
@@ -10,7 +11,8 @@ from __future__ import annotations
 import functools
 
 from .contract import kda_decode, kda_decode_with_f_b
-from .registry import REGISTRY
+from .registry import REGISTRY, VERIFY_REGISTRY
+from .verify_contract import kda_verify, kda_verify_with_f_b
 
 __all__ = [
     "kda_decode",
@@ -21,6 +23,9 @@ __all__ = [
     "kda_decode_with_f_b_ref",
     "kda_decode_triton",
     "kda_decode_with_f_b_triton",
+    "kda_verify",
+    "kda_verify_with_f_b",
+    "VERIFY_REGISTRY",
 ]
 
 

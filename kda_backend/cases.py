@@ -1,4 +1,4 @@
-"""Inputs and comparisons for KDA decode tests, ``flydsl-backends verify`` and benchmarks.
+"""Inputs and comparisons for KDA decode and verify tests, ``flydsl-backends verify`` and benchmarks.
 
 ``make_case`` builds one call's arguments the way the frameworks lay them out: optional
 width-major conv_state view (SGLang / vLLM "SD"), page-strided caches (vLLM), heads-outer ``out``
@@ -17,7 +17,8 @@ from backend_core.validation import span_elements
 
 SENTINEL = 1e30
 
-__all__ = ["SENTINEL", "KDACase", "make_case", "clone_caches", "rel_err", "compare_runs"]
+__all__ = ["SENTINEL", "KDACase", "make_case", "clone_caches", "rel_err", "compare_runs", "KDAVerifyCase",
+           "make_verify_case", "clone_verify", "compare_verify"]
 
 
 @dataclass
@@ -234,3 +235,221 @@ def _untouched(test: KDACase, original: KDACase, name: str) -> bool:
     as_bytes = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731  (NaN-safe bitwise compare)
     return bool(torch.equal(as_bytes(after[dead]), as_bytes(before[dead]))
                 and torch.equal(as_bytes(after[live][:, span:]), as_bytes(before[live][:, span:])))
+
+
+# -- the verify op (kda_verify) ----------------------------------------------------------------------------------
+
+@dataclass
+class KDAVerifyCase:
+    kwargs: Dict[str, object]  # keyword arguments of kda_verify / kda_verify_with_f_b
+    with_f_b: bool
+    storage: Dict[str, torch.Tensor]  # name -> the buffer behind that argument (caches, step buffers, out)
+    live: List[int]  # live requests
+    desc: str = ""
+
+    def problem(self):
+        from .verify_contract import prepare_verify
+
+        kw = dict(self.kwargs)
+        kw.setdefault("a", None)
+        return prepare_verify(**kw, with_f_b=self.with_f_b)
+
+    def call(self, backend: str = "auto", **overrides):
+        from . import kda_verify, kda_verify_with_f_b
+
+        kw = dict(self.kwargs)
+        kw.update(overrides)
+        fn = kda_verify_with_f_b if self.with_f_b else kda_verify
+        return fn(**kw, backend=backend)
+
+
+def make_verify_case(
+    B: int,
+    H: int,
+    K: int = 32,
+    W: int = 4,
+    T: int = 4,
+    *,
+    form: str = "slot",  # "slot" (vLLM: a state slot per step) or "buffer" (SGLang: step buffers)
+    lengths: Optional[Sequence[int]] = None,  # tokens per request (ragged, via query_start_loc); None: all T
+    extra_rows: int = 0,  # rows of x after the last request (no request owns them: out stays NaN there)
+    accepted: Optional[Sequence[int]] = None,  # num_accepted_tokens per request (slot form)
+    tree: bool = False,  # random parent_indices (buffer form)
+    state_dtype: torch.dtype = torch.float32,
+    conv: bool = True,
+    conv_layout: str = "width",  # conv caches as views of width-major buffers, or channel-major
+    conv_bias: bool = False,
+    norm: bool = True,
+    with_f_b: bool = False,
+    R: Optional[int] = None,
+    lower_bound: Optional[float] = None,
+    padding: Sequence[int] = (),  # padding requests (negative slot)
+    index_dtype: torch.dtype = torch.int32,
+    device="cpu",
+    seed: int = 0,
+    state_scale: float = 0.5,
+) -> KDAVerifyCase:
+    """One ``kda_verify`` call laid out as a framework would: the slots a request does not read hold the
+    sentinel, step buffers and ``out`` start as NaN, so stray reads and unwritten results show up."""
+    device = torch.device(device)
+    g = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape, scale=1.0, dtype=torch.float32):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+    V, HK = K, H * K
+    C = 3 * HK
+    bf16 = torch.bfloat16
+    lengths = list(lengths) if lengths is not None else [T] * B
+    if len(lengths) != B or any(not 0 <= n <= T for n in lengths):
+        raise ValueError(f"make_verify_case: lengths {lengths}: expected B={B} entries in 0..{T}")
+    live = [n for n in range(B) if n not in set(padding)]
+    N = sum(lengths) + extra_rows
+    slots = B * T + 3 if form == "slot" else B + 3
+    perm = torch.randperm(slots, generator=g).tolist()
+    kw: Dict[str, object] = {}
+    storage: Dict[str, torch.Tensor] = {}
+
+    state = torch.full((slots, H, V, K), SENTINEL, dtype=state_dtype, device=device)
+    L = W - 2 + T if form == "slot" else W - 1
+    if conv:
+        if conv_layout == "width":
+            cbuf = torch.full((slots, L, C), SENTINEL, dtype=bf16, device=device)
+            conv_state = cbuf.transpose(1, 2)
+        else:
+            cbuf = torch.full((slots, C, L), SENTINEL, dtype=bf16, device=device)
+            conv_state = cbuf
+        storage["conv_state"] = cbuf
+    storage["state"] = state
+
+    if form == "slot":
+        idx = torch.full((B, T), -1, dtype=torch.int64)
+        acc = list(accepted) if accepted is not None else [1] * B
+        for n in range(B):
+            idx[n] = torch.tensor(perm[n * T:(n + 1) * T])
+            if n in padding:
+                idx[n, :] = -1 - n % 3
+                continue
+            s_read = int(idx[n, acc[n] - 1]) if 1 <= acc[n] <= T else None
+            if s_read is not None:
+                state[s_read] = rnd(H, V, K, scale=state_scale, dtype=state_dtype)
+            if conv:
+                conv_state[int(idx[n, 0])] = rnd(C, L, dtype=bf16)
+        kw["state_indices"] = idx.to(index_dtype).to(device)
+        if accepted is not None:
+            kw["num_accepted_tokens"] = torch.tensor(acc, dtype=index_dtype, device=device)
+    elif form == "buffer":
+        idx = torch.tensor(perm[:B], dtype=torch.int64)
+        rows = B + 2
+        row_idx = torch.randperm(rows, generator=g)[:B]
+        for n in range(B):
+            if n in padding:
+                idx[n] = -1 - n % 3
+                continue
+            state[int(idx[n])] = rnd(H, V, K, scale=state_scale, dtype=state_dtype)
+            if conv:
+                conv_state[int(idx[n])] = rnd(C, L, dtype=bf16)
+        kw["state_indices"] = idx.to(index_dtype).to(device)
+        kw["step_state_indices"] = row_idx.to(index_dtype).to(device)
+        step_state = torch.full((rows, T, H, V, K), float("nan"), dtype=state_dtype, device=device)
+        kw["step_state"] = step_state
+        storage["step_state"] = step_state
+        if conv:
+            if conv_layout == "width":
+                sbuf = torch.full((rows, T, W - 1, C), float("nan"), dtype=bf16, device=device)
+                kw["step_conv_state"] = sbuf.transpose(2, 3)
+            else:
+                sbuf = torch.full((rows, T, C, W - 1), float("nan"), dtype=bf16, device=device)
+                kw["step_conv_state"] = sbuf
+            storage["step_conv_state"] = sbuf
+        if tree:
+            par = torch.full((B, T), -1, dtype=torch.int64)
+            for n in range(B):
+                for t in range(1, T):
+                    par[n, t] = int(torch.randint(0, t, (1,), generator=g))
+            kw["parent_indices"] = par.to(index_dtype).to(device)
+    else:
+        raise ValueError(f"form: expected 'slot' or 'buffer', got {form!r}")
+
+    if lengths != [T] * B or extra_rows:
+        qsl = [0]
+        for n in lengths:
+            qsl.append(qsl[-1] + n)
+        kw["query_start_loc"] = torch.tensor(qsl, dtype=index_dtype, device=device)
+    x = rnd(N, C, dtype=bf16)
+    if conv:
+        kw.update(x=x, conv_weight=rnd(C, W, scale=0.5), conv_state=conv_state)
+        if conv_bias:
+            kw["conv_bias"] = rnd(C, scale=0.1)
+    else:
+        kw.update(x=torch.nn.functional.silu(x.float()).to(bf16), conv_weight=None, conv_state=None)
+    if with_f_b:
+        R = R or K
+        kw["f_a"] = rnd(N, R, dtype=bf16)
+        kw["f_b_weight"] = rnd(H, K, R, scale=R ** -0.5, dtype=bf16)
+    else:
+        kw["a"] = rnd(N, HK, dtype=bf16)
+    kw["b"] = rnd(1, N, H, dtype=bf16)
+    kw["A_log"] = rnd(H, scale=0.5)
+    kw["dt_bias"] = rnd(HK, scale=0.5)
+    kw["state"] = state
+    if norm:
+        kw["output_gate"] = rnd(N, H, V, dtype=bf16)
+        kw["norm_weight"] = (1.0 + rnd(V, scale=0.1)).to(bf16)
+    else:
+        kw["output_gate"] = kw["norm_weight"] = None
+    if lower_bound is not None:
+        kw["lower_bound"] = lower_bound
+    out = torch.full((N, H, V), float("nan"), dtype=bf16, device=device)
+    kw["out"] = out
+    storage["out"] = out
+    desc = (f"{form} B={B} T={T} H={H} K={K} W={W if conv else '-'} state={str(state_dtype).replace('torch.', '')}"
+            f" conv={conv_layout if conv else 'off'} norm={'on' if norm else 'off'} f_b={'on' if with_f_b else 'off'}"
+            f"{' lb=' + str(lower_bound) if lower_bound is not None else ''}"
+            f"{' lengths=' + str(lengths) if lengths != [T] * B else ''}"
+            f"{' acc=' + str(list(accepted)) if accepted else ''}"
+            f"{' tree' if tree else ''} padding={len(padding)}")
+    return KDAVerifyCase(kwargs=kw, with_f_b=with_f_b, storage=storage, live=live, desc=desc)
+
+
+def clone_verify(case: KDAVerifyCase) -> KDAVerifyCase:
+    """A copy of ``case`` whose written buffers (caches, step buffers, out) are fresh copies."""
+    kw = dict(case.kwargs)
+    storage = {}
+    for name, buf in case.storage.items():
+        new = buf.clone()
+        storage[name] = new
+        view = kw[name]
+        kw[name] = torch.as_strided(new, view.shape, view.stride(), view.storage_offset() - buf.storage_offset())
+    return KDAVerifyCase(kwargs=kw, with_f_b=case.with_f_b, storage=storage, live=case.live, desc=case.desc)
+
+
+def compare_verify(test: KDAVerifyCase, ref: KDAVerifyCase, original: KDAVerifyCase, *, out_tol: float,
+                   state_tol: float) -> Dict[str, object]:
+    """Compare two runs of one verify case buffer by buffer (``original``: the untouched input).
+
+    Every element the reference left as it was must be bit-identical in ``test`` (nothing stray written);
+    the elements the reference wrote must agree within tolerance (out, states) or exactly (conv windows,
+    which are copies); output rows the reference zeroed (padding) must be exactly zero."""
+    as_bytes = lambda t: t.contiguous().view(torch.uint8).view(t.numel(), -1)  # noqa: E731  (NaN-safe)
+    res: Dict[str, object] = {"ok": True}
+    for name, orig in original.storage.items():
+        a, r = test.storage[name], ref.storage[name]
+        same_ref = (as_bytes(r) == as_bytes(orig)).all(-1).view(orig.shape)
+        same_test = (as_bytes(a) == as_bytes(orig)).all(-1).view(orig.shape)
+        untouched = bool((same_test | ~same_ref).all().item())
+        written = ~same_ref
+        if name in ("conv_state", "step_conv_state"):
+            err = 0.0 if torch.equal(as_bytes(a), as_bytes(r)) else float("inf")
+            tol = 0.0
+        else:
+            err = rel_err(a[written], r[written]) if bool(written.any()) else 0.0
+            tol = out_tol if name == "out" else state_tol
+        res[f"{name}_err"] = err
+        res[f"{name}_untouched"] = untouched
+        res["ok"] = bool(res["ok"] and untouched and err <= tol)
+    out_t, out_r = test.storage["out"], ref.storage["out"]
+    zero_rows = (out_r == 0).flatten(1).all(-1)
+    res["padding_zero"] = bool((out_t[zero_rows] == 0).all().item()) if bool(zero_rows.any()) else True
+    res["ok"] = bool(res["ok"] and res["padding_zero"])
+    return res

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:  # annotations only (the contract imports the registry, which imports this)
     from .contract import KDAProblem
+    from .verify_contract import KDAVerifyProblem
 
-__all__ = ["run_reference", "kda_step_math", "kda_gate", "gated_rmsnorm"]
+__all__ = ["run_reference", "run_verify_reference", "kda_step_math", "kda_gate", "gated_rmsnorm"]
 
 
 def kda_gate(a: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: Optional[float]) -> torch.Tensor:
@@ -91,4 +92,93 @@ def run_reference(p: KDAProblem, compute_dtype: torch.dtype = torch.float32) -> 
         if p.has_norm:
             o = gated_rmsnorm(o, p.output_gate[n].to(f), p.norm_weight.to(f), p.norm_eps)
         p.out[n].copy_(o.to(p.out.dtype))
+    return p.out
+
+
+def _valid(i: int, n: int) -> bool:
+    return 0 <= i < n
+
+
+@torch.inference_mode()
+def run_verify_reference(p: KDAVerifyProblem, compute_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Execute a validated verify problem request by request, token by token (``kda_verify``'s contract).
+
+    Every token's state is the ``kda_step_math`` step from its parent's state (the previous token, the
+    tree parent, or the committed state for token 0), rounded to the state dtype as a decode step
+    stores it; its conv window is its ancestors' x rows behind the committed window."""
+    H, K, W = p.H, p.K, p.W
+    f = compute_dtype
+    A_log = p.A_log.to(f)
+    dt_bias = p.dt_bias.to(f).view(H, K)
+    sdt = p.state.dtype
+    for n in range(p.B):
+        if p.query_start_loc is not None:
+            r0 = int(p.query_start_loc[n])
+            Tn = min(max(int(p.query_start_loc[n + 1]) - r0, 0), p.T)
+        else:
+            r0, Tn = n * p.T, p.T
+        rows = [r for r in range(r0, r0 + Tn) if 0 <= r < p.N]  # rows past x are never read
+        Tn = len(rows)
+        # where the committed state and conv window come from, and whether the request is live
+        if p.slot_form:
+            acc = 1 if p.num_accepted_tokens is None else int(p.num_accepted_tokens[n])
+            live = 1 <= acc <= p.T
+            read_slot = int(p.state_indices[n, acc - 1]) if live else -1
+            conv_slot = int(p.state_indices[n, 0])
+            offset = acc - 1
+            live = live and _valid(read_slot, p.num_slots) and (not p.has_conv or _valid(conv_slot, p.num_slots))
+        else:
+            read_slot = conv_slot = int(p.state_indices[n])
+            row = int(p.step_state_indices[n])
+            offset = 0
+            live = _valid(read_slot, p.num_slots) and _valid(row, p.num_rows)
+        if not live:  # padding request: zero output, nothing written
+            for r in rows:
+                p.out[r].zero_()
+            continue
+        S0 = p.state[read_slot].to(f).clone()
+        window0 = p.conv_state[conv_slot, :, offset:offset + W - 1].to(f).clone() if p.has_conv else None
+        xs = [p.x[r].to(f) for r in rows]
+        states, windows = [], []  # after each token: state (rounded as stored) and conv window (W-1, newest last)
+        for t, r in enumerate(rows):
+            parent = t - 1
+            if p.has_parents and t > 0:
+                cand = int(p.parent_indices[n, t])
+                parent = cand if 0 <= cand < t else t - 1
+            if p.has_conv:
+                prior = window0 if parent < 0 else windows[parent]  # [C, W-1], newest last
+                full = torch.cat([prior, xs[t][:, None]], dim=1)  # [C, W]
+                y = (full * p.conv_weight.to(f)).sum(-1)
+                if p.conv_bias is not None:
+                    y = y + p.conv_bias.to(f)
+                y = F.silu(y)
+                windows.append(full[:, 1:])
+            else:
+                y = xs[t]
+            if p.has_f_b:
+                a = torch.einsum("r,hkr->hk", p.f_a[r].to(f), p.f_b_weight.to(f))
+            else:
+                a = p.a[r].to(f).view(H, K)
+            S_prev = S0 if parent < 0 else states[parent]
+            o, S = kda_step_math(y.view(3, H, K), a, p.b[r].to(f), A_log, dt_bias, S_prev,
+                                 scale=p.scale, lower_bound=p.lower_bound)
+            states.append(S.to(sdt).to(f))  # the precision a decode step leaves in the cache
+            if p.has_norm:
+                o = gated_rmsnorm(o, p.output_gate[r].to(f), p.norm_weight.to(f), p.norm_eps)
+            p.out[r].copy_(o.to(p.out.dtype))
+        # writes, after every read (the slot form may write the slot it read)
+        for t in range(Tn):
+            if p.slot_form:
+                dst = int(p.state_indices[n, t])
+                if _valid(dst, p.num_slots):
+                    p.state[dst].copy_(states[t].to(sdt))
+            else:
+                p.step_state[row, t].copy_(states[t].to(sdt))
+                if p.has_conv:
+                    p.step_conv_state[row, t].copy_(windows[t].to(p.step_conv_state.dtype))
+        if p.has_conv and p.slot_form:
+            cs = p.conv_state[conv_slot]
+            cs[:, :W - 2].copy_(window0[:, 1:].to(cs.dtype))
+            for t in range(Tn):
+                cs[:, W - 2 + t].copy_(xs[t].to(cs.dtype))
     return p.out

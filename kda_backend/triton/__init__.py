@@ -19,8 +19,9 @@ from backend_core.validation import env_positive_int
 
 if TYPE_CHECKING:  # annotations only (the contract imports the registry, which imports this)
     from ..contract import KDAProblem
+    from ..verify_contract import KDAVerifyProblem
 
-__all__ = ["available", "supports", "run", "launch_config"]
+__all__ = ["available", "supports", "run", "launch_config", "supports_verify", "run_verify"]
 
 SUPPORTED_HEAD_DIMS = (32, 64, 128)
 MAX_F_B_RANK = 256
@@ -123,5 +124,56 @@ def run(p: KDAProblem) -> torch.Tensor:
         HAS_CONV=p.has_conv, HAS_BIAS=p.conv_bias is not None, HAS_FB=p.has_f_b, HAS_NORM=p.has_norm,
         USE_LOWER_BOUND=p.lower_bound is not None,
         num_warps=cfg["num_warps"],
+    )
+    return p.out
+
+
+def supports_verify(p: KDAVerifyProblem) -> Tuple[bool, str]:
+    ok, why = platform.triton_device_ok(p.device)
+    if not ok:
+        return ok, why
+    if p.K not in SUPPORTED_HEAD_DIMS:
+        return False, f"head dim K=V={p.K} not in {SUPPORTED_HEAD_DIMS}"
+    if p.has_conv and not 2 <= p.W <= 4:
+        return False, f"conv width W={p.W} not in 2..4"
+    if p.has_f_b and p.R > MAX_F_B_RANK:
+        return False, f"f_b rank R={p.R} > {MAX_F_B_RANK}"
+    if p.B > 65535:
+        return False, f"B={p.B}: the grid's second dimension stops at 65535"
+    return True, "ok"
+
+
+def run_verify(p: KDAVerifyProblem) -> torch.Tensor:
+    """One launch, one program per (head, request) (kda_verify.py says why)."""
+    if p.B == 0 or p.N == 0:
+        return p.out
+    from .kda_verify import kda_verify_kernel  # imports triton
+
+    d = p.x
+
+    def st(t, *dims):
+        return [int(t.stride(i)) if t is not None else 0 for i in dims]
+
+    br = max(16, 1 << (max(p.R, 1) - 1).bit_length())
+    si2 = p.state_indices.dim() == 2
+    launch(
+        kda_verify_kernel, (p.H, p.B),
+        *[t if t is not None else d for t in (
+            p.x, p.conv_weight, p.conv_bias, p.conv_state, p.a, p.f_a, p.f_b_weight, p.b, p.A_log, p.dt_bias,
+            p.state, p.state_indices, p.query_start_loc, p.num_accepted_tokens, p.step_state,
+            p.step_state_indices, p.step_conv_state, p.parent_indices, p.output_gate, p.norm_weight, p.out)],
+        int(p.N), int(p.num_slots), int(p.num_rows), float(p.scale),
+        float(p.lower_bound if p.lower_bound is not None else 0.0), float(p.norm_eps),
+        *st(p.x, 0), *st(p.conv_weight, 0, 1), *st(p.conv_state, 0, 1, 2),
+        *st(p.a, 0), *st(p.f_a, 0), *st(p.f_b_weight, 0, 1), *st(p.b, 0, 1),
+        *st(p.state, 0), int(p.state_indices.stride(0)), int(p.state_indices.stride(1)) if si2 else 0,
+        *st(p.query_start_loc, 0), *st(p.num_accepted_tokens, 0),
+        *st(p.step_state, 0, 1), *st(p.step_state_indices, 0), *st(p.step_conv_state, 0, 1, 2, 3),
+        *st(p.parent_indices, 0, 1), *st(p.output_gate, 0, 1), *st(p.out, 0, 1),
+        H=p.H, K=p.K, V=p.V, T=p.T, W=max(p.W, 2), R=max(p.R, 1), BR=br, RC=min(br, 32),
+        HAS_CONV=p.has_conv, HAS_BIAS=p.conv_bias is not None, HAS_FB=p.has_f_b, HAS_NORM=p.has_norm,
+        USE_LOWER_BOUND=p.lower_bound is not None, SLOT_FORM=p.slot_form, HAS_PARENTS=p.has_parents,
+        HAS_QSL=p.query_start_loc is not None, HAS_NACC=p.num_accepted_tokens is not None,
+        num_warps=8 if p.K >= 128 else 4,
     )
     return p.out
