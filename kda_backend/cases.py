@@ -435,16 +435,21 @@ def compare_verify(test: KDAVerifyCase, ref: KDAVerifyCase, original: KDAVerifyC
     res: Dict[str, object] = {"ok": True}
     for name, orig in original.storage.items():
         a, r = test.storage[name], ref.storage[name]
-        same_ref = (as_bytes(r) == as_bytes(orig)).all(-1).view(orig.shape)
-        same_test = (as_bytes(a) == as_bytes(orig)).all(-1).view(orig.shape)
-        untouched = bool((same_test | ~same_ref).all().item())
-        written = ~same_ref
-        if name in ("conv_state", "step_conv_state"):
+        if name in ("conv_state", "step_conv_state"):  # copies of bf16 inputs: the same bytes everywhere
             err = 0.0 if torch.equal(as_bytes(a), as_bytes(r)) else float("inf")
-            tol = 0.0
-        else:
-            err = rel_err(a[written], r[written]) if bool(written.any()) else 0.0
-            tol = out_tol if name == "out" else state_tol
+            res[f"{name}_err"] = err
+            res["ok"] = bool(res["ok"] and err == 0.0)
+            continue
+        # a slot (a row x step, an out row) counts as written when the reference changed any of it: a
+        # rounded state element may come back bit-identical to the original
+        lead = 2 if name == "step_state" else 1
+        same = lambda t: (as_bytes(t) == as_bytes(orig)).all(-1).view(orig.shape)  # noqa: E731
+        unit_ref = same(r).flatten(lead).all(-1)
+        unit_test = same(a).flatten(lead).all(-1)
+        untouched = bool((unit_test | ~unit_ref).all().item())
+        written = ~unit_ref
+        err = rel_err(a[written], r[written]) if bool(written.any()) else 0.0
+        tol = out_tol if name == "out" else state_tol
         res[f"{name}_err"] = err
         res[f"{name}_untouched"] = untouched
         res["ok"] = bool(res["ok"] and untouched and err <= tol)
