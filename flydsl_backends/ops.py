@@ -13,7 +13,7 @@ OPS: Tuple[OpFamily, ...] = (
     OpFamily("kda", "kda_backend", verify="kda_backend.verify:run_verify", accuracy="kda_backend.accuracy:run_accuracy",
              bench="kda_backend.benchmark:bench_cli",
              bench_args="kda_backend.benchmark:add_bench_args", flydsl_sources="kda_backend.flydsl:sources",
-             flydsl_kernels="kda_backend.flydsl.shipped"),
+             flydsl_kernels="kda_backend.flydsl.shipped", registries="kda_backend.registry:REGISTRIES"),
     OpFamily("pa", "pa_backend", verify="pa_backend.verify:run_verify", accuracy="pa_backend.accuracy:run_accuracy",
              bench="pa_backend.benchmark:bench_cli",
              bench_args="pa_backend.benchmark:add_bench_args", flydsl_sources="pa_backend.flydsl:sources",

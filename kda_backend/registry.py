@@ -11,7 +11,7 @@ from . import flydsl as _flydsl
 from . import triton as _triton
 from .reference import run_reference, run_verify_reference
 
-__all__ = ["REGISTRY", "VERIFY_REGISTRY"]
+__all__ = ["REGISTRY", "VERIFY_REGISTRY", "REGISTRIES"]
 
 REGISTRY = OpRegistry(
     "kda",
@@ -37,3 +37,5 @@ VERIFY_REGISTRY.register(Implementation("torch", lambda: (True, "always (referen
                                         "reference: readable torch, FP32"))
 VERIFY_REGISTRY.register(Implementation("triton", _triton.available, _triton.supports_verify, _triton.run_verify,
                                         "one Triton launch per verify step (NVIDIA, AMD; CPU via TRITON_INTERPRET=1)"))
+
+REGISTRIES = {"kda": REGISTRY, "kda_verify": VERIFY_REGISTRY}  # the family's ops (the CLI lists each)
