@@ -59,3 +59,30 @@ def test_shipped_configs_compile_for_amd_without_scratch():
     for config, rep in rows:
         print(config, rep)
         assert rep["hsaco_bytes"] > 0 and 0 < rep["vgprs"] <= 512 and rep["scratch"] == 0, (config, rep)
+
+
+VERIFY_SCRIPT = """
+import json
+from kda_backend.tests.triton_resources import VERIFY_CONFIGS, verify_ptxas_report
+rows = [[list(c), verify_ptxas_report(*c)] for c in VERIFY_CONFIGS]
+# 8 warps replicate the [K] vectors twice as much: proves the bound can fail
+rows.append([["fp32", True, False, True, 8, "over-bound"], verify_ptxas_report("fp32", True, False, True, 8)])
+print(json.dumps(rows))
+"""
+
+VERIFY_SPILL_BOUND = 256  # bytes: the one-program-per-head verify kernel spills a little at K = 128 (kda_verify.py)
+
+
+@pytest.mark.slow
+def test_verify_kernel_spills_stay_small():
+    """``kda_verify_kernel`` as launched (K = V = 128, 4 warps) compiles for sm_90 within a small spill bound,
+    slot and buffer forms, tree, both state dtypes: a regression guard until the V split lands."""
+    proc, rows = run_report_script(VERIFY_SCRIPT, ROOT)
+    if rows is None and "ptxas" in proc.stderr and "No such file" in proc.stderr:
+        pytest.skip("this Triton wheel ships no ptxas")
+    assert rows is not None, proc.stderr[-3000:]
+    *shipped, (_, over) = rows
+    assert over["spill_stores"] > VERIFY_SPILL_BOUND, over
+    for config, rep in shipped:
+        print(config, rep)
+        assert 0 < rep["registers"] and rep["spill_stores"] <= VERIFY_SPILL_BOUND, (config, rep)

@@ -57,3 +57,33 @@ def _spec(state_dtype, with_f_b, BV, K, H, W):
                       HAS_NORM=True, USE_LOWER_BOUND=with_f_b, **{n: 1 for n in UNIT_STRIDES})
     divisible = [n for n in types if n.startswith(("p_", "stride_"))]
     return kda_decode_kernel, types, constexprs, divisible
+
+
+# (state dtype, slot form, tree, f_b, warps): the verify kernel at K = V = 128 as run_verify launches it.
+VERIFY_CONFIGS = [("fp32", True, False, True, 4), ("bf16", True, False, True, 4), ("fp32", False, True, False, 4),
+                  ("bf16", False, True, True, 4)]
+
+
+def verify_ptxas_report(state_dtype: str = "fp32", slot_form: bool = True, tree: bool = False, with_f_b: bool = False,
+                        num_warps: int = 4, K: int = 128, H: int = 96, T: int = 4, W: int = 4,
+                        num_stages: int = 1) -> Dict[str, int]:
+    """Registers / spills / stack of one ``kda_verify_kernel`` specialization (conv and norm on), sm_90."""
+    from kda_backend.triton.kda_verify import kda_verify_kernel
+
+    types = {}
+    for n in inspect.signature(kda_verify_kernel.fn).parameters:
+        if n in ("p_state", "p_ss"):
+            types[n] = "*fp32" if state_dtype == "fp32" else "*bf16"
+        elif n in ("p_si", "p_qsl", "p_nacc", "p_ssi", "p_par"):
+            types[n] = "*i32"
+        elif n.startswith("p_"):
+            types[n] = "*fp32" if n in FP32_POINTERS else "*bf16"
+        elif n in ("scale", "lower_bound", "norm_eps"):
+            types[n] = "fp32"
+        elif n.startswith("stride_") or n in ("N", "num_slots", "num_rows"):
+            types[n] = "i32"
+    constexprs = dict(H=H, K=K, V=K, T=T, W=W, R=K, BR=K, RC=32, HAS_CONV=True, HAS_BIAS=False, HAS_FB=with_f_b,
+                      HAS_NORM=True, USE_LOWER_BOUND=with_f_b, SLOT_FORM=slot_form, HAS_PARENTS=tree, HAS_QSL=True,
+                      HAS_NACC=slot_form)
+    divisible = [n for n in types if n.startswith(("p_", "stride_"))]
+    return _ptxas_report(kda_verify_kernel, types, constexprs, divisible, num_warps, num_stages=num_stages)

@@ -11,8 +11,12 @@
 #
 # In registers per program: the state tile S [V, K] (FP32, rounded to the state dtype after every token
 # as a decode step stores it), the committed conv window of its channels (W-1 BF16 vectors per group,
-# read once), the conv weights (FP32), and per token q, k [K], v, o [V] and the gate [K] (from `a`, or
-# the FP32 dot f_a . f_b_weight[h]^T over [K, RC] chunks).
+# read once), the conv taps and bias (FP32, loaded once: reloading them per token keeps 64-bit pointer
+# vectors live across the loop, which costs more registers), and per token q, k [K], v, o [V] and the
+# gate [K] (from `a`, or the FP32 dot f_a . f_b_weight[h]^T over [K, RC] chunks). At K = 128 with 4
+# warps this spills a little on sm_90 (tens of bytes; tests/triton_resources.py VERIFY_CONFIGS): the
+# [K] vectors are replicated across the tile's rows. Splitting V over programs is the way to a smaller
+# tile; it needs the decode kernel's last-program protocol for the conv windows and the norm.
 #
 # Conv windows: token t's window is its own x row behind its W-1 nearest ancestors (t-1, t-2, .. for a
 # chain; parent_indices for a tree), falling back into the committed window; ancestors' x rows are
@@ -63,17 +67,31 @@ def _entry(p_x_req, j, o_c, stride_x_n, r1, r2, r3):
 
 
 @triton.jit
-def _conv_token(x_t, e1, e2, e3, p_cw, p_cb, o_c, stride_cw_c, stride_cw_w, W: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """SiLU(conv) of one token: x_t * w[W-1] + e1 * w[W-2] + e2 * w[W-3] + e3 * w[W-4] (+ bias), FP32."""
+def _load_weights(p_cw, p_cb, o_c, stride_cw_c, stride_cw_w, W: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Conv weights of channels o_c, newest tap first (w1 multiplies x_t), and the bias, FP32."""
     p_w = p_cw + o_c * stride_cw_c
-    acc = x_t.to(tl.float32) * tl.load(p_w + (W - 1) * stride_cw_w)
-    acc += e1.to(tl.float32) * tl.load(p_w + (W - 2) * stride_cw_w)
+    w1 = tl.load(p_w + (W - 1) * stride_cw_w)
+    w2 = tl.load(p_w + (W - 2) * stride_cw_w)
+    w3 = w2
+    w4 = w2
     if W > 2:
-        acc += e2.to(tl.float32) * tl.load(p_w + (W - 3) * stride_cw_w)
+        w3 = tl.load(p_w + (W - 3) * stride_cw_w)
     if W > 3:
-        acc += e3.to(tl.float32) * tl.load(p_w + (W - 4) * stride_cw_w)
+        w4 = tl.load(p_w + (W - 4) * stride_cw_w)
+    bias = tl.zeros_like(w1)
     if HAS_BIAS:
-        acc += tl.load(p_cb + o_c)
+        bias = tl.load(p_cb + o_c)
+    return w1, w2, w3, w4, bias
+
+
+@triton.jit
+def _conv_token(x_t, e1, e2, e3, w1, w2, w3, w4, bias, W: tl.constexpr):
+    """SiLU(conv) of one token: x_t * w1 + e1 * w2 + e2 * w3 + e3 * w4 + bias, FP32."""
+    acc = x_t.to(tl.float32) * w1 + e1.to(tl.float32) * w2 + bias
+    if W > 2:
+        acc += e2.to(tl.float32) * w3
+    if W > 3:
+        acc += e3.to(tl.float32) * w4
     return acc * tl.sigmoid(acc)
 
 
@@ -89,9 +107,9 @@ def _store_window(p_base, o_c, x_t, e1, e2, mask, stride_c, stride_w, W: tl.cons
 
 
 @triton.jit
-def _group(p_x_req, p_x_t, o_c, a1, a2, a3, r1, r2, r3, p_cw, p_cb, p_scs_t, live,
-           stride_x_n, stride_cw_c, stride_cw_w, stride_scs_c, stride_scs_w,
-           W: tl.constexpr, HAS_CONV: tl.constexpr, HAS_BIAS: tl.constexpr, STEP_CONV: tl.constexpr):
+def _group(p_x_req, p_x_t, o_c, a1, a2, a3, r1, r2, r3, w1, w2, w3, w4, bias, p_scs_t, live,
+           stride_x_n, stride_scs_c, stride_scs_w, W: tl.constexpr, HAS_CONV: tl.constexpr,
+           STEP_CONV: tl.constexpr):
     """q, k or v channels o_c of one token: conv + SiLU over the token's window (or x as is), FP32;
     with STEP_CONV the window after the token is stored to the step buffer."""
     x_t = tl.load(p_x_t + o_c)
@@ -103,7 +121,7 @@ def _group(p_x_req, p_x_t, o_c, a1, a2, a3, r1, r2, r3, p_cw, p_cb, p_scs_t, liv
             e2 = _entry(p_x_req, a2, o_c, stride_x_n, r1, r2, r3)
         if W > 3:
             e3 = _entry(p_x_req, a3, o_c, stride_x_n, r1, r2, r3)
-        y = _conv_token(x_t, e1, e2, e3, p_cw, p_cb, o_c, stride_cw_c, stride_cw_w, W, HAS_BIAS)
+        y = _conv_token(x_t, e1, e2, e3, w1, w2, w3, w4, bias, W)
         if STEP_CONV:
             _store_window(p_scs_t, o_c, x_t, e1, e2, live, stride_scs_c, stride_scs_w, W)
     else:
@@ -179,6 +197,10 @@ def kda_verify_kernel(
         q1, q2, q3 = _load_window(p_cs_slot, o_q, offset, live, stride_cs_c, stride_cs_w, W)
         k1, k2, k3 = _load_window(p_cs_slot, o_kc, offset, live, stride_cs_c, stride_cs_w, W)
         v1, v2, v3 = _load_window(p_cs_slot, o_vc, offset, live, stride_cs_c, stride_cs_w, W)
+        # loaded once: the taps stay in registers across the tokens
+        qw1, qw2, qw3, qw4, qb = _load_weights(p_cw, p_cb, o_q, stride_cw_c, stride_cw_w, W, HAS_BIAS)
+        kw1, kw2, kw3, kw4, kb = _load_weights(p_cw, p_cb, o_kc, stride_cw_c, stride_cw_w, W, HAS_BIAS)
+        vw1, vw2, vw3, vw4, vb = _load_weights(p_cw, p_cb, o_vc, stride_cw_c, stride_cw_w, W, HAS_BIAS)
     else:
         q1 = tl.zeros([K], dtype=tl.bfloat16)
         q2 = q1
@@ -189,6 +211,21 @@ def kda_verify_kernel(
         v1 = tl.zeros([V], dtype=tl.bfloat16)
         v2 = v1
         v3 = v1
+        qw1 = tl.zeros([K], dtype=tl.float32)
+        qw2 = qw1
+        qw3 = qw1
+        qw4 = qw1
+        qb = qw1
+        kw1 = qw1
+        kw2 = qw1
+        kw3 = qw1
+        kw4 = qw1
+        kb = qw1
+        vw1 = tl.zeros([V], dtype=tl.float32)
+        vw2 = vw1
+        vw3 = vw1
+        vw4 = vw1
+        vb = vw1
 
     b_A = tl.exp(tl.load(p_A_log + i_h))
     b_dtb = tl.load(p_dt_bias + i_h * K + o_k)
@@ -215,12 +252,12 @@ def kda_verify_kernel(
             b_P = tl.load(p_ss_row + tl.maximum(a1, 0) * stride_ss_t + o_tile, mask=live & far, other=0.0)
             b_S = tl.where(far, b_P.to(tl.float32), b_S)
         p_scs_t = p_scs_row + t * stride_scs_t
-        b_q = _group(p_x_req, p_x_t, o_q, a1, a2, a3, q1, q2, q3, p_cw, p_cb, p_scs_t, live, stride_x_n,
-                     stride_cw_c, stride_cw_w, stride_scs_c, stride_scs_w, W, HAS_CONV, HAS_BIAS, STEP_CONV)
-        b_k = _group(p_x_req, p_x_t, o_kc, a1, a2, a3, k1, k2, k3, p_cw, p_cb, p_scs_t, live, stride_x_n,
-                     stride_cw_c, stride_cw_w, stride_scs_c, stride_scs_w, W, HAS_CONV, HAS_BIAS, STEP_CONV)
-        b_v = _group(p_x_req, p_x_t, o_vc, a1, a2, a3, v1, v2, v3, p_cw, p_cb, p_scs_t, live, stride_x_n,
-                     stride_cw_c, stride_cw_w, stride_scs_c, stride_scs_w, W, HAS_CONV, HAS_BIAS, STEP_CONV)
+        b_q = _group(p_x_req, p_x_t, o_q, a1, a2, a3, q1, q2, q3, qw1, qw2, qw3, qw4, qb, p_scs_t, live,
+                     stride_x_n, stride_scs_c, stride_scs_w, W, HAS_CONV, STEP_CONV)
+        b_k = _group(p_x_req, p_x_t, o_kc, a1, a2, a3, k1, k2, k3, kw1, kw2, kw3, kw4, kb, p_scs_t, live,
+                     stride_x_n, stride_scs_c, stride_scs_w, W, HAS_CONV, STEP_CONV)
+        b_v = _group(p_x_req, p_x_t, o_vc, a1, a2, a3, v1, v2, v3, vw1, vw2, vw3, vw4, vb, p_scs_t, live,
+                     stride_x_n, stride_scs_c, stride_scs_w, W, HAS_CONV, STEP_CONV)
         b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 0) + 1e-6) * scale
         b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 0) + 1e-6)
 
