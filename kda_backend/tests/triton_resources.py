@@ -13,7 +13,8 @@ from typing import Dict
 from backend_core.tests.aot import amdgcn_report as _amdgcn_report
 from backend_core.tests.aot import ptxas_report as _ptxas_report
 
-__all__ = ["ptxas_report", "amdgcn_report", "SHIPPED_CONFIGS"]
+__all__ = ["ptxas_report", "amdgcn_report", "SHIPPED_CONFIGS", "VERIFY_CONFIGS", "verify_ptxas_report",
+           "verify_amdgcn_report"]
 
 # (state dtype, f_b, BV, warps): what launch_config picks for K = V = 128 on a 132-SM GPU.
 SHIPPED_CONFIGS = [(dt, fb, bv, 4) for dt in ("fp32", "bf16")
@@ -68,6 +69,19 @@ def verify_ptxas_report(state_dtype: str = "fp32", slot_form: bool = True, tree:
                         num_warps: int = 4, K: int = 128, H: int = 96, T: int = 4, W: int = 4,
                         num_stages: int = 1) -> Dict[str, int]:
     """Registers / spills / stack of one ``kda_verify_kernel`` specialization (conv and norm on), sm_90."""
+    fn, types, constexprs, divisible = _verify_spec(state_dtype, slot_form, tree, with_f_b, K, H, T, W)
+    return _ptxas_report(fn, types, constexprs, divisible, num_warps, num_stages=num_stages)
+
+
+def verify_amdgcn_report(arch: str = "gfx942", state_dtype: str = "fp32", slot_form: bool = True, tree: bool = False,
+                         with_f_b: bool = False, num_warps: int = 4, K: int = 128, H: int = 96, T: int = 4,
+                         W: int = 4) -> Dict[str, int]:
+    """VGPRs / scratch / LDS of the same verify specialization compiled for AMD ``arch`` (never run there)."""
+    fn, types, constexprs, divisible = _verify_spec(state_dtype, slot_form, tree, with_f_b, K, H, T, W)
+    return _amdgcn_report(fn, types, constexprs, divisible, num_warps, arch=arch)
+
+
+def _verify_spec(state_dtype, slot_form, tree, with_f_b, K, H, T, W):
     from kda_backend.triton.kda_verify import kda_verify_kernel
 
     types = {}
@@ -86,4 +100,4 @@ def verify_ptxas_report(state_dtype: str = "fp32", slot_form: bool = True, tree:
                       HAS_NORM=True, USE_LOWER_BOUND=with_f_b, SLOT_FORM=slot_form, HAS_PARENTS=tree, HAS_QSL=True,
                       HAS_NACC=slot_form)
     divisible = [n for n in types if n.startswith(("p_", "stride_"))]
-    return _ptxas_report(kda_verify_kernel, types, constexprs, divisible, num_warps, num_stages=num_stages)
+    return kda_verify_kernel, types, constexprs, divisible
