@@ -360,8 +360,9 @@ def kda_verify(x, conv_weight, conv_state, a, b, A_log, dt_bias, state, state_in
     * ``state`` [slots, H, V, K] fp32 or bf16, contiguous within a slot, any slot stride.
     * Slot form (vLLM), ``step_state`` None: ``state_indices`` [B, T]. The first state is read from slot
       ``state_indices[b, num_accepted_tokens[b] - 1]`` (``num_accepted_tokens`` [B], None means 1); the
-      state after token t is **written** to slot ``state_indices[b, t]`` (an index outside the slots skips
-      that write). ``conv_state`` [slots, C, L], L >= W-2+T (vLLM allocates W-1+num_spec), channel-major
+      state after token t is **written** to slot ``state_indices[b, t]`` (an index outside [0, min(state
+      slots, conv slots)) skips that write: vLLM's null block 0 is mapped to -1 by the adapter).
+      ``conv_state`` [slots, C, L], L >= W-2+T (vLLM allocates W-1+num_spec), channel-major
       or the transpose view of a width-major buffer, in slot ``state_indices[b, 0]``: the window is read
       at offset ``num_accepted_tokens[b] - 1`` and the slot is **rewritten** as ``[window[1:], x_0, ..,
       x_{T_b-1}]`` in positions 0 .. W-3+T_b, so the next call's offset (its accepted count - 1) finds
