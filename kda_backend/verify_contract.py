@@ -1,5 +1,5 @@
 """The KDA speculative-verify contract: argument checks and the normalized problem every implementation
-receives (docs/design.md §3 for the per-step math, §8.2 for verify).
+receives (docs/design.md §3 for the per-step math, §3.1 for verify).
 
 A verify call runs T decode steps of each of B requests in one launch: request b's draft tokens are rows
 ``query_start_loc[b] .. query_start_loc[b+1]`` of ``x``, its state stays on chip from one token to the
