@@ -25,6 +25,8 @@ FAST = [
     dict(B=3, H=1, T=5, form="buffer", tree=True, state_dtype=torch.bfloat16),
     dict(B=2, H=2, T=4, form="buffer", tree=True, W=3, lengths=[4, 3], conv_layout="channel", lower_bound=-3.0),
     dict(B=2, H=1, T=3, form="buffer", conv=False, with_f_b=True, R=40),
+    dict(B=2, H=2, T=3, accepted=[3, 2], lengths=[3, 2], index_dtype=torch.int64),
+    dict(B=2, H=2, T=3, form="buffer", tree=True, lengths=[2, 3], index_dtype=torch.int64),
 ]
 
 SLOW = [dict(B=3, H=2, T=T, form=form, state_dtype=sd, accepted=[T, 1, (T + 1) // 2] if form == "slot" else None,
