@@ -56,8 +56,32 @@ SLOT_CHECK: bool = bool(_env_int(SLOT_CHECK_ENV, 0))
 SLOT_CHECK_PADDING_SLOT: Optional[int] = _env_int(SLOT_CHECK_PADDING_ENV, None)
 
 
+class LayerFacts:
+    """What the decode and verify problems both derive from their tensors."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.x.device
+
+    @property
+    def has_conv(self) -> bool:
+        return self.conv_weight is not None
+
+    @property
+    def has_norm(self) -> bool:
+        return self.norm_weight is not None
+
+    @property
+    def has_f_b(self) -> bool:
+        return self.f_b_weight is not None
+
+    @property
+    def R(self) -> int:
+        return 0 if self.f_a is None else int(self.f_a.shape[1])
+
+
 @dataclass
-class KDAProblem:
+class KDAProblem(LayerFacts):
     """A validated KDA decode call. Tensors are the caller's (views, no copies)."""
 
     B: int
@@ -87,26 +111,6 @@ class KDAProblem:
     # (bytes, name, what) of the largest piece a kernel addresses from one base: a whole parameter tensor, one
     # row, one cache slot, one f_b head (the FlyDSL kernel's buffer accesses take 32-bit byte offsets)
     largest_piece: Tuple[int, str, str] = (0, "", "")
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    @property
-    def has_conv(self) -> bool:
-        return self.conv_weight is not None
-
-    @property
-    def has_norm(self) -> bool:
-        return self.norm_weight is not None
-
-    @property
-    def has_f_b(self) -> bool:
-        return self.f_b_weight is not None
-
-    @property
-    def R(self) -> int:
-        return 0 if self.f_a is None else int(self.f_a.shape[1])
 
     def kernel_tensors(self) -> list:
         """The tensor arguments the kernels take, in their order (x, conv_weight, conv_bias,

@@ -42,7 +42,15 @@ from backend_core.validation import (
     span_elements,
 )
 
-from .contract import ACT_DTYPES, INDEX_DTYPES, _check_gate, _check_norm, _check_x_and_state, _checked_out
+from .contract import (
+    ACT_DTYPES,
+    INDEX_DTYPES,
+    LayerFacts,
+    _check_gate,
+    _check_norm,
+    _check_x_and_state,
+    _checked_out,
+)
 from .registry import VERIFY_REGISTRY
 
 __all__ = ["KDAVerifyProblem", "prepare_verify", "kda_verify", "kda_verify_with_f_b", "MAX_VERIFY_TOKENS"]
@@ -51,7 +59,7 @@ MAX_VERIFY_TOKENS = 8  # draft tokens per request: MTP / EAGLE / ngram verify in
 
 
 @dataclass
-class KDAVerifyProblem:
+class KDAVerifyProblem(LayerFacts):
     """A validated KDA verify call. Tensors are the caller's (views, no copies)."""
 
     B: int  # requests
@@ -88,26 +96,6 @@ class KDAVerifyProblem:
     num_slots: int  # slot indices outside [0, num_slots) are padding (slot form: skipped step writes)
     num_rows: int  # step_state_indices outside [0, num_rows) are padding (buffer form)
     largest_piece: Tuple[int, str, str] = (0, "", "")
-
-    @property
-    def device(self) -> torch.device:
-        return self.x.device
-
-    @property
-    def has_conv(self) -> bool:
-        return self.conv_weight is not None
-
-    @property
-    def has_norm(self) -> bool:
-        return self.norm_weight is not None
-
-    @property
-    def has_f_b(self) -> bool:
-        return self.f_b_weight is not None
-
-    @property
-    def R(self) -> int:
-        return 0 if self.f_a is None else int(self.f_a.shape[1])
 
     @property
     def slot_form(self) -> bool:

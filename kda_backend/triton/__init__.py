@@ -31,7 +31,8 @@ def available() -> Tuple[bool, str]:
     return platform.triton_runnable()
 
 
-def supports(p: KDAProblem) -> Tuple[bool, str]:
+def _supports_layer(p) -> Tuple[bool, str]:
+    """What the decode and verify kernels both need: the device, K, the conv width, the f_b rank."""
     ok, why = platform.triton_device_ok(p.device)
     if not ok:
         return ok, why
@@ -41,6 +42,13 @@ def supports(p: KDAProblem) -> Tuple[bool, str]:
         return False, f"conv width W={p.W} not in 2..4"
     if p.has_f_b and p.R > MAX_F_B_RANK:
         return False, f"f_b rank R={p.R} > {MAX_F_B_RANK}"
+    return True, ""
+
+
+def supports(p: KDAProblem) -> Tuple[bool, str]:
+    ok, why = _supports_layer(p)
+    if not ok:
+        return ok, why
     if p.H > 65535 or p.B > 65535:
         return False, f"B={p.B}, H={p.H}: the grid's second and third dimensions stop at 65535"
     return True, "ok"
@@ -129,15 +137,9 @@ def run(p: KDAProblem) -> torch.Tensor:
 
 
 def supports_verify(p: KDAVerifyProblem) -> Tuple[bool, str]:
-    ok, why = platform.triton_device_ok(p.device)
+    ok, why = _supports_layer(p)
     if not ok:
         return ok, why
-    if p.K not in SUPPORTED_HEAD_DIMS:
-        return False, f"head dim K=V={p.K} not in {SUPPORTED_HEAD_DIMS}"
-    if p.has_conv and not 2 <= p.W <= 4:
-        return False, f"conv width W={p.W} not in 2..4"
-    if p.has_f_b and p.R > MAX_F_B_RANK:
-        return False, f"f_b rank R={p.R} > {MAX_F_B_RANK}"
     if p.B > 65535:
         return False, f"B={p.B}: the grid's second dimension stops at 65535"
     return True, "ok"
